@@ -1,0 +1,210 @@
+"""Name tables and split/merge rules between HuggingFace and megatron-core weights.
+
+Owns: one `Mapping` per megatron-core parameter (its HF source names, how the HF tensors combine
+into megatron's TP1 layout, and how that layout splits across TP ranks). A new architecture is a
+new table. Pure torch: must not import megatron, vLLM or Ray (the sharding planner uses it too).
+
+Megatron layouts (TP1, the "full" tensor):
+* QKV is stored by query group: [groups, q_per_group + 2, head_dim, hidden] flattened to 2-D,
+  so a TP shard is a run of whole groups.
+* `linear_fc1` holds [gate; up]; every TP shard holds [gate_shard; up_shard].
+* Row-parallel weights (`linear_proj`, `linear_fc2`) split on dim 1; column-parallel on dim 0.
+* Embedding / output rows are padded to the padded vocab size and split on dim 0.
+* Norms (and the scalar value head) are replicated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megarl.models.hf_config import ModelDims
+
+LAYER = "{layer}"
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
+TE_NAME_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of `divisible_by * tp` rows."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A megatron parameter that is a single HF tensor, split on `tp_dim` (None: replicated)."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    tp_dim: int | None = None
+
+    def to_mcore(self, hf_tensors: Sequence[torch.Tensor], dims: ModelDims, padded_vocab: int) -> torch.Tensor:
+        """HF tensors (in `self.hf` order) → the megatron TP1 tensor."""
+        return hf_tensors[0]
+
+    def to_hf(self, full: torch.Tensor, dims: ModelDims) -> list[torch.Tensor]:
+        """The megatron TP1 tensor → HF tensors (in `self.hf` order)."""
+        return [full]
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """The slice of the TP1 tensor that TP rank `rank` of `size` holds."""
+        if self.tp_dim is None or size == 1:
+            return full
+        return full.chunk(size, dim=self.tp_dim)[rank]
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `shard`: the TP1 tensor from every TP rank's slice, in rank order."""
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        return torch.cat(list(shards), dim=self.tp_dim)
+
+    def with_layer(self, layer: int) -> "Mapping":
+        return type(self)(
+            self.mcore.replace(LAYER, str(layer)), tuple(n.replace(LAYER, str(layer)) for n in self.hf), self.tp_dim
+        )
+
+
+@dataclass(frozen=True)
+class VocabMapping(Mapping):
+    """Embedding / output layer: rows padded to the padded vocabulary, split on dim 0."""
+
+    tp_dim: int | None = 0
+
+    def to_mcore(self, hf_tensors, dims, padded_vocab):
+        weight = hf_tensors[0]
+        if weight.shape[0] == padded_vocab:
+            return weight
+        padding = weight.new_zeros(padded_vocab - weight.shape[0], *weight.shape[1:])
+        return torch.cat([weight, padding], dim=0)
+
+    def to_hf(self, full, dims):
+        return [full[: dims.vocab_size]]
+
+
+@dataclass(frozen=True)
+class QKVMapping(Mapping):
+    """q, k, v projections (weight or bias) ↔ megatron's per-query-group fused QKV."""
+
+    tp_dim: int | None = 0
+
+    def to_mcore(self, hf_tensors, dims, padded_vocab):
+        q, k, v = hf_tensors
+        groups, head_dim = dims.num_kv_heads, dims.head_dim
+        q_per_group = dims.num_heads // groups
+        rest = q.shape[1:]
+        fused = torch.cat(
+            [
+                q.reshape(groups, q_per_group * head_dim, *rest),
+                k.reshape(groups, head_dim, *rest),
+                v.reshape(groups, head_dim, *rest),
+            ],
+            dim=1,
+        )
+        return fused.reshape(-1, *rest)
+
+    def to_hf(self, full, dims):
+        groups, head_dim = dims.num_kv_heads, dims.head_dim
+        q_per_group = dims.num_heads // groups
+        rest = full.shape[1:]
+        grouped = full.reshape(groups, (q_per_group + 2) * head_dim, *rest)
+        q, k, v = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+@dataclass(frozen=True)
+class GateUpMapping(Mapping):
+    """gate_proj and up_proj ↔ `linear_fc1` = [gate; up], where every TP shard is [gate_r; up_r]."""
+
+    tp_dim: int | None = 0
+
+    def to_mcore(self, hf_tensors, dims, padded_vocab):
+        return torch.cat(list(hf_tensors), dim=0)
+
+    def to_hf(self, full, dims):
+        return list(full.chunk(2, dim=0))
+
+    def shard(self, full, rank, size):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+    def unshard(self, shards):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def _layer_table(dims: ModelDims) -> list[Mapping]:
+    hf, mc = "model.layers.{layer}.", "decoder.layers.{layer}."
+    attn = hf + "self_attn."
+    table = [
+        Mapping(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
+        QKVMapping(mc + "self_attention.linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv")),
+        Mapping(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp_dim=1),
+        Mapping(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
+        GateUpMapping(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
+        Mapping(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), tp_dim=1),
+    ]
+    if dims.qkv_bias:
+        table.append(QKVMapping(mc + "self_attention.linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv")))
+    if dims.qk_norm:
+        table.append(Mapping(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)))
+        table.append(Mapping(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)))
+    return table
+
+
+def _global_table(dims: ModelDims, value_head: bool) -> list[Mapping]:
+    table = [
+        VocabMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+        Mapping("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    ]
+    if value_head:
+        table.append(Mapping("output_layer.weight", ("score.weight",)))
+    elif not dims.tie_word_embeddings:
+        table.append(VocabMapping("output_layer.weight", ("lm_head.weight",)))
+    return table
+
+
+class WeightMap:
+    """All mappings of one model: lookup by megatron name (local spec or TE spec, any layer)."""
+
+    def __init__(self, dims: ModelDims, value_head: bool = False):
+        self.dims = dims
+        self.value_head = value_head
+        self._layer = {m.mcore[len("decoder.layers.{layer}.") :]: m for m in _layer_table(dims)}
+        self._global = {m.mcore: m for m in _global_table(dims, value_head)}
+
+    def lookup(self, mcore_name: str, layer_offset: int = 0) -> Mapping:
+        """Mapping of a chunk-local megatron name; `layer_offset` turns local layer numbers global."""
+        name = canonical_name(mcore_name)
+        if name in self._global:
+            return self._global[name]
+        match = _LAYER_RE.match(name)
+        if match and match.group(2) in self._layer:
+            return self._layer[match.group(2)].with_layer(int(match.group(1)) + layer_offset)
+        raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r} ({self.dims.model_type})")
+
+    def all_mappings(self) -> list[Mapping]:
+        """Every mapping of the full model, with global layer numbers, in HF order."""
+        layers = [m.with_layer(i) for i in range(self.dims.num_layers) for m in self._layer.values()]
+        return [self._global["embedding.word_embeddings.weight"]] + layers + [
+            m for k, m in self._global.items() if k != "embedding.word_embeddings.weight"
+        ]
+
+    def hf_names(self) -> list[str]:
+        return [n for m in self.all_mappings() for n in m.hf]
+
+
+def canonical_name(name: str) -> str:
+    """Strip DDP/Float16 wrappers (`module.`) and map TE fused-norm names to local-spec names."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    match = _LAYER_RE.match(name)
+    if match and match.group(2) in TE_NAME_ALIASES:
+        return f"decoder.layers.{match.group(1)}.{TE_NAME_ALIASES[match.group(2)]}"
+    return name

