@@ -1,0 +1,87 @@
+"""Rewards of the generated tasks in `megarl.data.tasks`: `arithmetic` and `countdown`.
+
+Both are shaped so a tiny model trained from scratch gets a learning signal: a well-formed but
+wrong answer earns `format_score` (from `extra`, default 0.1), a correct one 1.0. The countdown
+equation is evaluated with exact fractions by walking its AST (never `eval`). Pure Python.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from collections import Counter
+from fractions import Fraction
+
+from megarl.rewards.registry import register_reward
+
+DEFAULT_FORMAT_SCORE = 0.1
+_INT = re.compile(r"-?\d+")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_EQUATION_CHARS = re.compile(r"[\d+\-*/() .]+")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _format_score(extra: dict | None) -> float:
+    return float((extra or {}).get("format_score", DEFAULT_FORMAT_SCORE))
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(solution_str: str, ground_truth: str, extra: dict) -> dict:
+    """1.0 when the last integer of the response is the answer; `format_score` when the response is
+    a bare integer but wrong; 0.0 otherwise."""
+    response = solution_str.strip()
+    numbers = _INT.findall(response)
+    correct = bool(numbers) and int(numbers[-1]) == int(str(ground_truth).strip())
+    well_formed = _INT.fullmatch(response) is not None
+    score = 1.0 if correct else (_format_score(extra) if well_formed else 0.0)
+    return {"score": score, "acc": float(correct)}
+
+
+def extract_equation(text: str) -> str | None:
+    """The equation in the last `<answer>...</answer>` (else the last line), without `= target`."""
+    tags = _ANSWER_TAG.findall(text)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    candidate = tags[-1] if tags else (lines[-1] if lines else "")
+    candidate = candidate.split("=")[0].strip()
+    return candidate if candidate and _EQUATION_CHARS.fullmatch(candidate) else None
+
+
+def evaluate_equation(equation: str) -> Fraction | None:
+    """Exact value of an equation of integers, + - * / and parentheses; None if invalid."""
+    try:
+        return _eval_node(ast.parse(equation, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def _eval_node(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval_node(node.left), _eval_node(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _eval_node(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError(f"unsupported expression node {type(node).__name__}")
+
+
+def parse_countdown_truth(ground_truth: str | dict) -> tuple[int, list[int], bool]:
+    """(target, numbers, use_all) from the ground truth JSON `{"target", "numbers", "use_all"?}`."""
+    truth = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
+    return int(truth["target"]), [int(n) for n in truth["numbers"]], bool(truth.get("use_all", True))
+
+
+@register_reward("countdown")
+def countdown_reward(solution_str: str, ground_truth: str, extra: dict) -> dict:
+    """1.0 when the answer equation uses the given numbers (each at most once; all of them when
+    `use_all`) and equals the target; `format_score` for a parseable equation that does not."""
+    target, numbers, use_all = parse_countdown_truth(ground_truth)
+    equation = extract_equation(solution_str)
+    if equation is None:
+        return {"score": 0.0, "acc": 0.0}
+    used = Counter(int(n) for n in re.findall(r"\d+", equation))
+    allowed = Counter(numbers)
+    numbers_ok = used == allowed if use_all else not (used - allowed)
+    correct = numbers_ok and evaluate_equation(equation) == target
+    return {"score": 1.0 if correct else _format_score(extra), "acc": float(correct)}

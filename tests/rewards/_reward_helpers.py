@@ -1,0 +1,33 @@
+"""Reward fns that misbehave on purpose, loaded by file path by tests/rewards/test_reward_runner.py."""
+import os
+import signal
+import time
+
+
+def raises_on_bad(solution_str, ground_truth, extra):
+    if solution_str == "bad":
+        raise ValueError("cannot parse 'bad'")
+    return float(solution_str == ground_truth)
+
+
+def sleeps_on_slow(solution_str, ground_truth, extra):
+    if solution_str == "slow":
+        time.sleep(60)
+    return {"score": float(solution_str == ground_truth), "acc": 1.0}
+
+
+def hangs_ignoring_alarm(solution_str, ground_truth, extra):
+    if solution_str == "hang":  # like C code that never checks for signals
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        time.sleep(60)
+    return float(solution_str == ground_truth)
+
+
+def dies_on_crash(solution_str, ground_truth, extra):
+    if solution_str == "crash":
+        os._exit(7)
+    return float(solution_str == ground_truth)
+
+
+def returns_garbage(solution_str, ground_truth, extra):
+    return "not a score"

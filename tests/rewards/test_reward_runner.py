@@ -1,0 +1,113 @@
+import asyncio
+import os
+import time
+
+import pytest
+
+from megarl.rewards import RewardConfig, RewardRunner
+
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reward_helpers.py")
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with RewardRunner(RewardConfig(num_workers=2, timeout_s=0.5, kill_grace_s=0.5)) as r:
+        yield r
+
+
+def _use(runner, fn_name):
+    runner.config.reward_fn = f"{HELPERS}:{fn_name}"
+
+
+def test_score_by_data_source_uses_builtin_rewards(runner):
+    runner.config.reward_fn = None
+    out = runner.score(["#### 42", "\\boxed{\\frac12}", "7"], ["42", "0.5", "7"], ["openai/gsm8k", "math", "arithmetic"])
+    assert [r["score"] for r in out] == [1.0, 1.0, 1.0]
+    assert all(r["reward_error"] is None for r in out)
+
+
+def test_reward_fn_that_raises_records_failure_and_scores_others(runner):
+    _use(runner, "raises_on_bad")
+    out = runner.score(["a", "bad", "b"], ["a", "a", "b"])
+    assert [r["score"] for r in out] == [1.0, 0.0, 1.0]
+    assert "ValueError: cannot parse 'bad'" in out[1]["reward_error"]
+    assert out[0]["reward_error"] is None and out[2]["reward_error"] is None
+
+
+def test_reward_fn_sleeping_past_timeout_records_timeout_and_scores_others(runner):
+    _use(runner, "sleeps_on_slow")
+    start = time.monotonic()
+    out = runner.score(["x", "slow", "y", "z"], ["x", "slow", "y", "q"])
+    assert time.monotonic() - start < 5
+    assert [r["score"] for r in out] == [1.0, 0.0, 1.0, 0.0]
+    assert out[1]["reward_error"].startswith("timeout")
+    assert out[3]["reward_error"] is None and out[3]["acc"] == 1.0
+
+
+def test_worker_ignoring_alarm_is_killed_pool_recreated_and_others_scored(runner):
+    _use(runner, "hangs_ignoring_alarm")
+    out = runner.score(["a", "hang", "b", "c", "d"], ["a", "hang", "b", "c", "x"])
+    assert [r["score"] for r in out] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert "killed" in out[1]["reward_error"]
+    _use(runner, "raises_on_bad")  # the recreated pool keeps working
+    assert runner.score(["a"], ["a"])[0]["score"] == 1.0
+
+
+def test_worker_process_dying_records_failure_and_scores_others(runner):
+    _use(runner, "dies_on_crash")
+    out = runner.score(["a", "crash", "b"], ["a", "a", "b"])
+    assert [r["score"] for r in out] == [1.0, 0.0, 1.0]
+    assert "died" in out[1]["reward_error"]
+
+
+def test_non_numeric_result_records_failure(runner):
+    _use(runner, "returns_garbage")
+    out = runner.score(["a"], ["a"])
+    assert out[0]["score"] == 0.0 and "TypeError" in out[0]["reward_error"]
+
+
+def test_score_async_overlaps_with_other_coroutines(runner):
+    _use(runner, "sleeps_on_slow")
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            for _ in range(3):
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        results, _ = await asyncio.gather(runner.score_async(["slow", "a"], ["x", "a"]), ticker())
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    assert [r["score"] for r in results] == [0.0, 1.0]
+    assert len(ticks) == 3
+
+
+def test_failure_score_is_configurable_in_process():
+    r = RewardRunner(RewardConfig(num_workers=0, failure_score=-1.0, reward_fn=f"{HELPERS}:raises_on_bad"))
+    assert [x["score"] for x in r.score(["bad", "a"], ["a", "a"])] == [-1.0, 1.0]
+
+
+def test_unknown_data_source_fails_before_scoring_naming_the_fix():
+    r = RewardRunner(RewardConfig(num_workers=0))
+    with pytest.raises(ValueError, match="no reward for data_source 'mystery'.*data_source_rewards"):
+        r.score(["a"], ["a"], ["mystery"])
+
+
+def test_data_source_rewards_maps_custom_source():
+    r = RewardRunner(RewardConfig(num_workers=0, data_source_rewards={"my_math": "math"}))
+    assert r.score(["\\boxed{3}"], ["3"], ["my_math"])[0]["score"] == 1.0
+
+
+def test_mismatched_lengths_raise():
+    with pytest.raises(ValueError, match="2 solutions but 1 ground truths"):
+        RewardRunner(RewardConfig(num_workers=0, reward_fn="math")).score(["a", "b"], ["a"])
+
+
+def test_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="RewardConfig.num_workers"):
+        RewardConfig(num_workers=-1)
+    with pytest.raises(ValueError, match="RewardConfig.timeout_s"):
+        RewardConfig(timeout_s=0)
