@@ -1,0 +1,134 @@
+"""Generated tasks a tiny model can learn with RL in minutes on CPU: `arithmetic` and `countdown`.
+
+Owns the row generators (`make_arithmetic_dataset`, `make_countdown_dataset`, `make_task_dataset`)
+and `write_task_splits` (train/test parquet). Rows have the columns every prompt dataset has:
+`prompt` (chat messages, or a raw string with `chat=False`), `ground_truth` (a string),
+`data_source` (the name of the matching reward in `megarl.rewards`) and `extra_info`.
+Generation is deterministic in `seed`. Pure Python (+ pyarrow to write files).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Callable
+
+from megarl.rewards.tasks import evaluate_equation
+
+ARITHMETIC_OPS = ("+", "-", "*")
+
+
+def _prompt(content: str, chat: bool) -> str | list[dict[str, str]]:
+    return [{"role": "user", "content": content}] if chat else content
+
+
+def make_arithmetic_dataset(
+    n: int,
+    seed: int = 0,
+    max_operand: int = 9,
+    ops: tuple[str, ...] = ("+",),
+    chat: bool = True,
+) -> list[dict[str, Any]]:
+    """`n` problems "a+b=" with operands in [0, max_operand]; the answer is the integer, as digits.
+
+    The defaults (single-digit addition, answers 0-18) are learnable from scratch by a 2-layer
+    model; `max_operand=99` or `ops=("+", "-", "*")` make it harder.
+    """
+    bad = [op for op in ops if op not in ARITHMETIC_OPS]
+    if bad or not ops:
+        raise ValueError(f"ops must be a non-empty subset of {ARITHMETIC_OPS}, got {ops}")
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append({
+            "prompt": _prompt(f"{a}{op}{b}=", chat),
+            "ground_truth": str(answer),
+            "data_source": "arithmetic",
+            "extra_info": {"index": i, "a": a, "b": b, "op": op},
+        })
+    return rows
+
+
+def _random_equation(rng: random.Random, numbers: list[int]) -> str:
+    """A random fully parenthesised equation using each of `numbers` once, with + - *."""
+    terms = [str(x) for x in numbers]
+    rng.shuffle(terms)
+    while len(terms) > 1:
+        i = rng.randrange(len(terms) - 1)
+        terms[i : i + 2] = [f"({terms[i]}{rng.choice('+-*')}{terms[i + 1]})"]
+    return terms[0][1:-1] if terms[0].startswith("(") else terms[0]
+
+
+def make_countdown_dataset(
+    n: int,
+    seed: int = 0,
+    num_numbers: int = 3,
+    max_number: int = 9,
+    max_target: int = 99,
+    chat: bool = True,
+) -> list[dict[str, Any]]:
+    """`n` countdown problems: reach a target from `num_numbers` numbers in [1, max_number].
+
+    Targets come from a random equation over all the numbers, so each problem is solvable; the
+    ground truth is JSON `{"target", "numbers"}` and the solution equation is in `extra_info`.
+    """
+    if num_numbers < 2:
+        raise ValueError(f"num_numbers must be >= 2, got {num_numbers}")
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    while len(rows) < n:
+        numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
+        equation = _random_equation(rng, numbers)
+        target = evaluate_equation(equation)
+        if target is None or target.denominator != 1 or not 0 < target <= max_target:
+            continue
+        content = (
+            f"Using the numbers {numbers}, write an equation that equals {int(target)}. "
+            "Use each number exactly once, with + - * / and parentheses. "
+            "Give the equation in <answer></answer>."
+        )
+        rows.append({
+            "prompt": _prompt(content, chat),
+            "ground_truth": json.dumps({"target": int(target), "numbers": numbers}),
+            "data_source": "countdown",
+            "extra_info": {"index": len(rows), "solution": equation},
+        })
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+    "arithmetic": make_arithmetic_dataset,
+    "countdown": make_countdown_dataset,
+}
+
+
+def make_task_dataset(task: str, n: int, seed: int = 0, **kwargs) -> list[dict[str, Any]]:
+    """Rows of the generated task `task` (see `TASKS`)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {sorted(TASKS)}")
+    return TASKS[task](n, seed=seed, **kwargs)
+
+
+def write_task_splits(task: str, n: int, out_dir: str, seed: int = 0, test_fraction: float = 0.1, **kwargs) -> dict[str, str]:
+    """Write `n` rows as `train.parquet` + `test.parquet` (a `test_fraction` share) in `out_dir`.
+
+    The test split is drawn from the same distribution with another seed: held-out samples, not
+    held-out problems (single-digit addition has only 100 distinct problems). Returns the paths.
+    """
+    from megarl.data.datasets import save_rows
+
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    n_test = max(1, round(n * test_fraction))
+    splits = {
+        "train": make_task_dataset(task, n - n_test, seed=seed, **kwargs),
+        "test": make_task_dataset(task, n_test, seed=seed + 1_000_003, **kwargs),
+    }
+    paths = {name: os.path.join(out_dir, f"{name}.parquet") for name in splits}
+    for name, rows in splits.items():
+        save_rows(rows, paths[name])
+    return paths
