@@ -182,12 +182,19 @@ class WeightMap:
     def lookup(self, mcore_name: str, layer_offset: int = 0) -> Mapping:
         """Mapping of a chunk-local megatron name; `layer_offset` turns local layer numbers global."""
         name = canonical_name(mcore_name)
+        if self.is_tied_copy(name):
+            return VocabMapping(name, ("model.embed_tokens.weight",))
         if name in self._global:
             return self._global[name]
         match = _LAYER_RE.match(name)
         if match and match.group(2) in self._layer:
             return self._layer[match.group(2)].with_layer(int(match.group(1)) + layer_offset)
         raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r} ({self.dims.model_type})")
+
+    def is_tied_copy(self, mcore_name: str) -> bool:
+        """The last pipeline stage's copy of tied embeddings: loaded from, but never exported to, HF."""
+        tied = self.dims.tie_word_embeddings and not self.value_head
+        return tied and canonical_name(mcore_name) == "output_layer.weight"
 
     def all_mappings(self) -> list[Mapping]:
         """Every mapping of the full model, with global layer numbers, in HF order."""

@@ -59,7 +59,6 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        variable_seq_lengths=True,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
         bias_activation_fusion=False,

@@ -1,0 +1,103 @@
+"""The HF ↔ megatron-core model bridge: build a role's GPTModel chunks and move weights both ways.
+
+Owns: `ModelBridge`, which ties an HF config (`hf_config.py`), a parallel layout (`layout.py`),
+the model spec (`spec.py`) and the weight tables (`mapping.py`). Loading streams one HF tensor at a
+time into the local shard; export gathers TP shards one parameter at a time. Used by the
+conversion CLI, the training engine and the sharding manager.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megarl.models.hf_config import describe_hf_config, load_hf_config
+from megarl.models.hf_io import HFCheckpointReader
+from megarl.models.layout import ParallelLayout
+from megarl.models.mapping import WeightMap
+from megarl.models import spec
+
+
+class ModelBridge:
+    """One model (actor, reference, critic or reward) at one parallel layout."""
+
+    def __init__(self, hf_config, layout: ParallelLayout = ParallelLayout(), *, dtype=torch.float32,
+                 value_head: bool = False, vocab_divisible_by: int = 128):
+        self.hf_config = hf_config
+        self.dims = describe_hf_config(hf_config)
+        layout.check_model(num_layers=self.dims.num_layers, num_heads=self.dims.num_heads,
+                           num_kv_heads=self.dims.num_kv_heads)
+        self.layout = layout
+        self.dtype = dtype
+        self.value_head = value_head
+        self.vocab_divisible_by = vocab_divisible_by
+        self.weight_map = WeightMap(self.dims, value_head=value_head)
+
+    @classmethod
+    def from_hf_path(cls, path: str | Path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> "ModelBridge":
+        return cls(load_hf_config(path), layout, **kwargs)
+
+    def transformer_config(self, **overrides):
+        return spec.transformer_config(self.dims, self.layout, self.dtype, **overrides)
+
+    def build(self, pp_rank: int = 0, *, config=None, pg_collection=None) -> list[torch.nn.Module]:
+        """The model chunks of pipeline rank `pp_rank` (one per virtual stage)."""
+        config = config or self.transformer_config()
+        return spec.build_model_chunks(
+            self.dims, config, pp_rank=pp_rank, hf_config=self.hf_config, value_head=self.value_head,
+            pg_collection=pg_collection, vocab_divisible_by=self.vocab_divisible_by,
+        )
+
+    def _chunk_params(self, chunks, pp_rank: int):
+        """(chunk-local name, parameter, layer offset) for every parameter of every chunk."""
+        for vp_stage, chunk in enumerate(chunks):
+            offset = spec.layer_offset(chunk.config, pp_rank, vp_stage if len(chunks) > 1 else None)
+            for name, param in _unwrap(chunk).named_parameters():
+                yield name, param, offset
+
+    def load_hf_weights(self, chunks, source, *, tp_rank: int = 0, pp_rank: int = 0,
+                        progress: Optional[Callable[[str], None]] = None) -> None:
+        """Copy this rank's shards from an HF checkpoint (path or reader) into `chunks`, one tensor at a time."""
+        reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
+        plan = [(p, self.weight_map.lookup(n, off)) for n, p, off in self._chunk_params(chunks, pp_rank)]
+        reader.check_has(name for _, m in plan for name in m.hf)
+        padded = _padded_vocab(chunks)
+        for param, mapping in plan:
+            full = mapping.to_mcore([reader.get(n) for n in mapping.hf], self.dims, padded)
+            local = mapping.shard(full, tp_rank, self.layout.tp)
+            if local.shape != param.shape:
+                raise ValueError(f"{mapping.hf} → {mapping.mcore}: shape {tuple(local.shape)} does not fit the"
+                                 f" model's {tuple(param.shape)}; does config.json match the weights?")
+            with torch.no_grad():
+                param.copy_(local)
+            if progress:
+                progress(mapping.mcore)
+
+    def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of this pipeline stage; TP shards are gathered one parameter at a time."""
+        for name, param, offset in self._chunk_params(chunks, pp_rank):
+            if self.weight_map.is_tied_copy(name):
+                continue
+            mapping = self.weight_map.lookup(name, offset)
+            shards = [param.detach()] if mapping.tp_dim is None else _gather_tp(param.detach(), tp_group, self.layout.tp)
+            full = mapping.unshard(shards)
+            yield from zip(mapping.hf, mapping.to_hf(full, self.dims))
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _padded_vocab(chunks) -> int:
+    return _unwrap(chunks[0]).vocab_size
+
+
+def _gather_tp(tensor: torch.Tensor, group, tp_size: int) -> list[torch.Tensor]:
+    if tp_size == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+    torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
+    return shards

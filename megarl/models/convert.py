@@ -1,0 +1,243 @@
+"""HF ↔ megatron-core distributed-checkpoint conversion at any TP/PP/VPP layout.
+
+Owns: `hf_to_mcore` and `mcore_to_hf` (validated up front, run on a spawned local world or under
+torchrun), and the megarl checkpoint metadata (`megarl_checkpoint.json`, written last, so a
+directory without it is never taken for a checkpoint). Every rank holds only its own shard plus
+one full tensor at a time.
+
+Layout of a megarl megatron checkpoint directory:
+    common.pt, .metadata, __*.distcp   megatron-core torch_dist checkpoint (layout-independent)
+    hf/                                config.json, generation config and tokenizer files
+    megarl_checkpoint.json             format, model type, dtype, layout it was written from
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.models.hf_config import describe_hf_config, load_hf_config
+from megarl.models.hf_io import HFCheckpointReader, HFShardWriter, CheckpointError, write_index
+from megarl.models.layout import ParallelLayout
+from megarl.utils.atomic import check_target, commit_directory, staging_path
+
+MARKER = "megarl_checkpoint.json"
+FORMAT_VERSION = 1
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                  "tokenizer.model", "added_tokens.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """Everything a rank needs; built and validated in the launching process."""
+
+    src: str
+    dst: str
+    layout: ParallelLayout
+    dtype: str
+    overwrite: bool
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.tp * self.layout.pp
+
+
+def _dtype_name(hf_config, requested: Optional[str]) -> str:
+    if requested:
+        if requested not in _DTYPES:
+            raise ValueError(f"--dtype {requested!r} is not one of {sorted(_DTYPES)}")
+        return requested
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    name = str(dtype).replace("torch.", "")
+    return name if name in _DTYPES else "float32"
+
+
+def plan_hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout, *, dtype: Optional[str] = None,
+                     overwrite: bool = False) -> ConversionPlan:
+    """Validate inputs before any weight is read: config, layout, weight files, target directory."""
+    hf_config = load_hf_config(hf_path)
+    dims = describe_hf_config(hf_config)
+    layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+    HFCheckpointReader(hf_path)  # raises on missing / corrupt index or weight files
+    check_target(mcore_path, overwrite)
+    return ConversionPlan(str(hf_path), str(mcore_path), layout, _dtype_name(hf_config, dtype), overwrite)
+
+
+def read_metadata(mcore_path) -> dict:
+    """The megarl metadata of a complete megatron checkpoint (raises on incomplete / foreign dirs)."""
+    path = Path(mcore_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"megatron checkpoint directory {path} does not exist")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{path} has no {MARKER}: it is not a complete megarl checkpoint (an interrupted"
+                              " conversion or save leaves no marker); convert or save it again")
+    try:
+        return json.loads(marker.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{marker} is corrupt ({err})") from err
+
+
+def plan_mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), *,
+                     overwrite: bool = False) -> ConversionPlan:
+    meta = read_metadata(mcore_path)
+    hf_config = load_hf_config(Path(mcore_path) / "hf")
+    dims = describe_hf_config(hf_config)
+    layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+    check_target(hf_path, overwrite)
+    return ConversionPlan(str(mcore_path), str(hf_path), layout, meta["dtype"], overwrite)
+
+
+def run_plan(fn, plan: ConversionPlan):
+    """Run a per-rank conversion function under torchrun (if launched so) or on spawned local ranks."""
+    from megarl.utils import distributed
+
+    if distributed.in_launched_world():
+        distributed.init_process_group_from_env()
+        return fn(plan)
+    return distributed.spawn(fn, plan.world_size, plan)[0]
+
+
+def hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
+    """Convert an HF checkpoint into a megatron-core distributed checkpoint; returns its metadata."""
+    return run_plan(hf_to_mcore_rank, plan_hf_to_mcore(hf_path, mcore_path, layout, **kwargs))
+
+
+def mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
+    """Convert a megatron-core distributed checkpoint back to HF safetensors; returns a summary."""
+    return run_plan(mcore_to_hf_rank, plan_mcore_to_hf(mcore_path, hf_path, layout, **kwargs))
+
+
+# ----------------------------------------------------------------------------- per-rank work
+
+
+def sharded_model_state(chunks) -> dict:
+    """The sharded state dict of a rank's model chunks, keyed like Megatron-LM ("model" / "model{i}")."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def load_model_state(chunks, state: dict) -> None:
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for chunk, key in zip(chunks, keys):
+        missing, unexpected = chunk.load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks parameters {missing[:5]}")
+
+
+def _shared_staging(target: Path) -> Path:
+    """Rank 0 creates the staging directory next to `target`; every rank learns its path."""
+    import torch.distributed as dist
+
+    box = [None]
+    if dist.get_rank() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = str(staging_path(target))
+        Path(box[0]).mkdir()
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _publish(staging: Path, plan: ConversionPlan, meta: dict) -> None:
+    """Rank 0 writes the marker last and renames the staging directory into place."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (staging / MARKER).write_text(json.dumps(meta, indent=2))
+        commit_directory(staging, Path(plan.dst), MARKER)
+    dist.barrier()
+
+
+def _cleanup_on_error(staging: Optional[Path]) -> None:
+    import torch.distributed as dist
+
+    if staging is not None and dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in _HF_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _progress(total: int, desc: str):
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=dist.get_rank() != 0, leave=False)
+
+
+def _build(plan: ConversionPlan, hf_config_dir):
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.runtime import init_megatron, ranks
+
+    init_megatron(plan.layout)
+    bridge = ModelBridge.from_hf_path(hf_config_dir, plan.layout, dtype=_DTYPES[plan.dtype])
+    tp_rank, pp_rank, _ = ranks()
+    return bridge, bridge.build(pp_rank), tp_rank, pp_rank
+
+
+def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
+    from megatron.core import dist_checkpointing
+
+    staging = None
+    try:
+        bridge, chunks, tp_rank, pp_rank = _build(plan, plan.src)
+        n_params = sum(1 for c in chunks for _ in c.parameters())
+        with _progress(n_params, "hf→mcore") as bar:
+            bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, progress=lambda _: bar.update())
+        staging = _shared_staging(Path(plan.dst))
+        dist_checkpointing.save(sharded_model_state(chunks), str(staging))
+        meta = {"format_version": FORMAT_VERSION, "kind": "model", "model_type": bridge.dims.model_type,
+                "dtype": plan.dtype, "written_with_layout": dataclasses.asdict(plan.layout), "source": plan.src}
+        if torch.distributed.get_rank() == 0:
+            _copy_side_files(Path(plan.src), staging / "hf")
+        _publish(staging, plan, meta)
+        return meta
+    except BaseException:
+        _cleanup_on_error(staging)
+        raise
+
+
+def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state as ps
+
+    staging = None
+    try:
+        bridge, chunks, tp_rank, pp_rank = _build(plan, Path(plan.src) / "hf")
+        load_model_state(chunks, dist_checkpointing.load(sharded_model_state(chunks), plan.src))
+        staging = _shared_staging(Path(plan.dst))
+        writes = tp_rank == 0 and ps.get_data_parallel_rank() == 0
+        writer = HFShardWriter(staging, prefix=f"model-pp{pp_rank:03d}" if plan.layout.pp > 1 else "model")
+        n_params = sum(1 for c in chunks for _ in c.parameters())
+        with _progress(n_params, "mcore→hf") as bar:
+            for name, tensor in bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group()):
+                if writes:
+                    writer.add(name, tensor)
+                bar.update()
+        writer.flush()
+        maps = [None] * dist.get_world_size()
+        dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
+        summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
+        if dist.get_rank() == 0:
+            write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
+            _copy_side_files(Path(plan.src) / "hf", staging)
+            summary["format_version"] = FORMAT_VERSION
+        _publish(staging, plan, {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src})
+        return summary
+    except BaseException:
+        _cleanup_on_error(staging)
+        raise

@@ -1,0 +1,122 @@
+"""Streaming reads and writes of HuggingFace safetensors checkpoints.
+
+Owns: `HFCheckpointReader` (lazy, one tensor at a time, with clear errors for missing or corrupt
+files and missing tensors) and `HFShardWriter` (bounded-size safetensors shards + index).
+Must not import megatron, vLLM or Ray.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, incomplete or corrupt."""
+
+
+class HFCheckpointReader:
+    """Reads tensors of an HF checkpoint directory lazily (safetensors, single file or sharded)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"HF checkpoint directory {self.path} does not exist")
+        self._open: dict[str, object] = {}
+        self._where = self._index()
+
+    def _index(self) -> dict[str, str]:
+        index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise CheckpointError(f"{index} is corrupt ({err!r}); re-download or re-export it") from err
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise CheckpointError(f"{index} lists shard files that are missing: {missing}")
+            return weight_map
+        if single.is_file():
+            return {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
+        found = sorted(p.name for p in self.path.iterdir())
+        raise CheckpointError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path} (found {found}); only safetensors checkpoints"
+            " are read — convert .bin weights with transformers' save_pretrained(safe_serialization=True)"
+        )
+
+    def _file(self, filename: str):
+        from safetensors import safe_open
+
+        if filename not in self._open:
+            try:
+                self._open[filename] = safe_open(str(self.path / filename), framework="pt")
+            except Exception as err:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"{self.path / filename} is not a readable safetensors file: {err}") from err
+        return self._open[filename]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
+        try:
+            return self._file(self._where[name]).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
+
+    def check_has(self, names: Iterable[str]) -> None:
+        """Raise one error listing every expected tensor that is absent (before any is read)."""
+        missing = [n for n in names if n not in self._where]
+        if missing:
+            raise CheckpointError(
+                f"HF checkpoint {self.path} lacks {len(missing)} expected tensors, e.g. {missing[:5]};"
+                " does config.json match the weights?"
+            )
+
+
+class HFShardWriter:
+    """Writes (name, tensor) pairs into safetensors shards of at most `max_shard_bytes` each."""
+
+    def __init__(self, path: str | Path, prefix: str = "model", max_shard_bytes: int = 2 << 30):
+        self.path, self.prefix, self.max_shard_bytes = Path(path), prefix, max_shard_bytes
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        self._files += 1
+        filename = f"{self.prefix}-{self._files:05d}.safetensors"
+        save_file(self._pending, str(self.path / filename), metadata={"format": "pt"})
+        self.weight_map.update({name: filename for name in self._pending})
+        self._pending, self._pending_bytes = {}, 0
+
+
+def write_index(path: str | Path, weight_map: dict[str, str], total_bytes: int) -> None:
+    """The `model.safetensors.index.json` that `transformers` uses to find sharded tensors."""
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))

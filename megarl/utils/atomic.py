@@ -1,0 +1,61 @@
+"""Directories that appear complete or not at all.
+
+Owns: `check_target` (refuse to overwrite a checkpoint unless asked) and `atomic_directory`,
+which writes into a hidden sibling and renames it into place only after the writer finished and
+wrote its completion marker. A crash leaves the old directory (if any) intact and a
+`.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+
+class TargetExistsError(FileExistsError):
+    """The output directory already holds something and overwriting was not asked for."""
+
+
+def check_target(path: str | Path, overwrite: bool) -> Path:
+    """Fail early (before any work) when `path` is a non-empty directory or a file and not `overwrite`."""
+    path = Path(path)
+    if path.is_file():
+        raise TargetExistsError(f"{path} is a file; pass a directory path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise TargetExistsError(f"{path} already exists and is not empty; pass --overwrite to replace it")
+    return path
+
+
+def staging_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.incomplete-{os.getpid()}-{int(time.time())}"
+
+
+def commit_directory(staging: Path, target: Path, marker: str) -> None:
+    """Move a finished staging directory onto `target` (replacing it), after checking its marker."""
+    if not (staging / marker).is_file():
+        raise RuntimeError(f"refusing to publish {staging}: completion marker {marker} was not written")
+    backup = None
+    if target.exists():
+        backup = target.parent / f".{target.name}.replaced-{os.getpid()}-{int(time.time())}"
+        target.rename(backup)
+    staging.rename(target)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, marker: str, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a staging directory; on success publish it at `path`, on error delete it."""
+    target = check_target(path, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(target)
+    staging.mkdir()
+    try:
+        yield staging
+        commit_directory(staging, target, marker)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
