@@ -79,14 +79,20 @@ class CpuEvent:
         return (end_event._time - self._time) * 1000.0
 
 
-class CpuStream:
-    """Stands in for torch.cuda.Stream: CPU work is synchronous, so ordering is a no-op."""
+class CpuStream(torch.Stream):
+    """Stands in for torch.cuda.Stream: CPU work is synchronous, so ordering is a no-op.
+
+    A `torch.Stream` (on "cpu") so that `tensor.record_stream(stream)` passes torch's argument
+    parsing and reaches the device mode, which turns it into a no-op.
+    """
 
     cuda_stream = 0
-    device = torch.device("cpu")
+
+    def __new__(cls, device=None, priority=0, **kwargs):
+        return super().__new__(cls, device="cpu", priority=priority)
 
     def __init__(self, device=None, priority=0, **kwargs):
-        self.priority = priority
+        pass
 
     def wait_stream(self, stream) -> None:
         return None

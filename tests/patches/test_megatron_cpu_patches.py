@@ -20,8 +20,8 @@ SEQ, BATCH, VOCAB = 16, 4, 128
 
 
 # ---------------------------------------------------------------- helpers run inside the ranks
-def _build_gpt(tp: int, seed: int = SEED):
-    """Tiny fp32 GPTModel (local spec) after (re)initialising model parallel with TP=tp."""
+def _build_gpt(tp: int, seed: int = SEED, pp: int = 1):
+    """Tiny fp32 GPTModel (local spec) after (re)initialising model parallel with TP=tp, PP=pp."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -30,16 +30,17 @@ def _build_gpt(tp: int, seed: int = SEED):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
     )
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=VOCAB, max_sequence_length=SEQ)
+                     vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     return model, config
 
 
@@ -90,6 +91,46 @@ def _train_step(model, optimizer, rows: slice) -> tuple[float, float]:
         return loss.item(), _loss(model).item()
 
 
+def _pipeline_losses(model, num_microbatches: int = 2) -> list[float]:
+    """forward_backward_func (1F1B at PP2) over the batch split in micro-batches; last stage's losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens, position_ids, mask, labels = _batch()
+    mbs = BATCH // num_microbatches
+    micro_batches = iter([(tokens[i:i + mbs], position_ids[i:i + mbs], labels[i:i + mbs])
+                          for i in range(0, BATCH, mbs)])
+
+    def forward_step(data_iterator, model):
+        tok, pos, lab = next(data_iterator)
+        per_token = model(tok, pos, mask, labels=lab)
+        return per_token, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=micro_batches, model=[model],
+        num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=mbs, forward_only=False)
+    return [d["loss"].item() for d in losses]
+
+
+def _patch_lifecycle_checks() -> dict:
+    """apply is idempotent (one device mode on the stack); remove restores torch.cuda; re-apply works."""
+    from megatron_patches import apply_cpu_patches, patches_applied, remove_cpu_patches
+    from megatron_patches.device_mode import CpuDeviceMode
+
+    def modes():
+        return sum(isinstance(m, CpuDeviceMode) for m in torch.overrides._get_current_function_mode_stack())
+
+    out = {"second_apply": apply_cpu_patches(), "modes_after_second_apply": modes()}
+    remove_cpu_patches()
+    out["removed"] = not patches_applied() and modes() == 0
+    try:
+        torch.cuda.current_device()
+        out["current_device_restored"] = False
+    except (AssertionError, RuntimeError):
+        out["current_device_restored"] = True
+    out["reapplied"] = apply_cpu_patches() and modes() == 1 and torch.cuda.current_device().type == "cpu"
+    return out
+
+
 def _rng_checks() -> dict:
     """Tracker fork: same seed → same dropout mask, outer state restored, no CPU-RNG warning."""
     import logging
@@ -122,7 +163,7 @@ def single_rank_checks() -> dict:
     """World size 1: TP1 forward/backward, RNG tracker, DP1 reference step."""
     from megatron_patches import patches_applied
 
-    out = {"patched": patches_applied()}
+    out = {"patched": patches_applied(), "lifecycle": _patch_lifecycle_checks()}
     model, _ = _build_gpt(tp=1)
     out["tp1_loss"], out["tp1_grads_ok"] = _forward_backward(model)
     out["rng"] = _rng_checks()  # needs model parallel initialised
@@ -133,7 +174,8 @@ def single_rank_checks() -> dict:
 
 
 def two_rank_checks(ckpt_dir: str) -> dict:
-    """World size 2: TP2 forward/backward + checkpoint save; TP1×DP2 load (reshard) + DistOpt step."""
+    """World size 2: TP2 forward/backward + checkpoint save; TP1×DP2 load (reshard) + DistOpt step;
+    PP2 load (layer offsets) + 1F1B schedule."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -154,6 +196,10 @@ def two_rank_checks(ckpt_dir: str) -> dict:
     model, optimizer = _ddp_distopt(model, config)
     half = BATCH // 2
     out["dp2_before"], out["dp2_after"] = _train_step(model, optimizer, slice(rank * half, (rank + 1) * half))
+
+    model, _ = _build_gpt(tp=1, pp=2, seed=SEED + 1)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
+    out["pp2_losses"] = _pipeline_losses(model)
     return out
 
 
@@ -188,6 +234,20 @@ def test_distributed_optimizer_dp2_step_lowers_loss_and_matches_dp1(single_rank,
     for r in two_ranks:
         assert abs(r["dp2_after"] - single_rank["dp1_after"]) < 1e-4
     assert two_ranks[0]["dp2_after"] == two_ranks[1]["dp2_after"]  # replicas stay in sync
+
+
+def test_pp2_pipeline_schedule_reproduces_tp1_loss_from_checkpoint(single_rank, two_ranks):
+    assert two_ranks[0]["pp2_losses"] == []  # only the last stage computes the loss
+    micro_losses = two_ranks[1]["pp2_losses"]
+    assert len(micro_losses) == 2
+    assert abs(sum(micro_losses) / 2 - single_rank["tp1_loss"]) < 1e-5
+
+
+def test_apply_is_idempotent_and_remove_restores_torch_cuda(single_rank):
+    lifecycle = single_rank["lifecycle"]
+    assert lifecycle["second_apply"] is True and lifecycle["modes_after_second_apply"] == 1
+    assert lifecycle["removed"] and lifecycle["current_device_restored"]
+    assert lifecycle["reapplied"]
 
 
 def test_rng_tracker_fork_is_reproducible_with_same_seed(single_rank):
