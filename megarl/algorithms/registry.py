@@ -1,0 +1,75 @@
+"""Name → function registries for the algorithm pieces (advantage estimators, policy losses,
+KL estimators, loss aggregations).
+
+Every member of one registry has the same signature, so the trainer looks a function up by its
+configured name and calls it; it never writes `if name == "gae"`. Unknown names fail with the list
+of valid ones, and `"pkg.module:fn"` loads a user function by dotted path.
+
+Imports only the standard library (no torch, megatron, vLLM or Ray).
+"""
+import importlib
+import inspect
+from typing import Callable
+
+
+class Registry:
+    """Functions of one kind, by name; all take the positional parameters `params`."""
+
+    def __init__(self, kind: str, params: tuple[str, ...]):
+        self.kind = kind
+        self.params = params
+        self._fns: dict[str, Callable] = {}
+
+    def register(self, *names: str) -> Callable[[Callable], Callable]:
+        """Decorator: `@REGISTRY.register("name", "alias")` adds the function under each name."""
+
+        def add(fn: Callable) -> Callable:
+            self._check_signature(fn, names[0] if names else fn.__name__)
+            for name in names or (fn.__name__,):
+                if name in self._fns and self._fns[name] is not fn:
+                    raise ValueError(f"{self.kind} {name!r} is already registered")
+                self._fns[name] = fn
+            return fn
+
+        return add
+
+    def get(self, name: str) -> Callable:
+        """The function registered as `name`, or the one at dotted path `"pkg.module:fn"`."""
+        if name in self._fns:
+            return self._fns[name]
+        if ":" in name:
+            fn = _load_dotted(name, self.kind)
+            self._check_signature(fn, name)
+            return fn
+        raise ValueError(
+            f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())} "
+            f"(or a dotted path 'pkg.module:function')"
+        )
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._fns)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fns
+
+    def _check_signature(self, fn: Callable, name: str) -> None:
+        try:
+            inspect.signature(fn).bind(*self.params)
+        except TypeError as err:
+            raise TypeError(
+                f"{self.kind} {name!r} must accept ({', '.join(self.params)}); {err}"
+            ) from None
+        except ValueError:  # builtins without a signature: accept
+            pass
+
+
+def _load_dotted(path: str, kind: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot load {kind} {path!r}: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"{kind} {path!r} is not callable")
+    return fn
