@@ -1,13 +1,20 @@
 """Run a function on N gloo ranks from pytest: `run_distributed(fn, world_size, *args)`.
 
-Each rank is a fresh process (start method "spawn" by default, "forkserver" allowed) with
-MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set,
+Each rank is a fresh process with MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK set (and the rest of the caller's os.environ, copied at call time),
 `torch.distributed.init_process_group("gloo")` done, `torch.set_num_threads(num_threads)` and
 `megatron_patches.apply_cpu_patches()` applied. `fn(*args, **kwargs)` runs on every rank; the
 parent gets the list of return values ordered by rank (they must be picklable). An exception on
 any rank is re-raised in the parent as `DistributedTestError` naming the rank and carrying its
 traceback; ranks still running after `timeout` seconds (or a few seconds after another rank
 failed) are killed.
+
+Start method: "forkserver" (default) forks every rank from a server process that imported torch,
+torch.distributed and megatron.core once (the first call in a pytest session pays ~5 s, later
+ones start in well under a second; plain "spawn" pays the imports in every rank of every run, ~5-10
+s on 2 cores). The server is started by the first forkserver call and keeps its imports for the
+session; environment variables that a module reads *at import time* therefore do not reach the
+ranks — use start_method="spawn" for such tests.
 
 `fn` must be importable by name in a fresh process: define it at module top level (a test module
 or megarl), not as a lambda or closure. `dist_checkpointing.save` starts a spawn-mode
@@ -51,12 +58,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world_size, port, num_threads, apply_patches, args, kwargs, results):
+# Imported once by the forkserver so that ranks start without paying for them (megatron.core
+# only where installed; the forkserver skips modules it cannot import).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron_patches", "megatron.core",
+                       "megatron.core.models.gpt"]
+
+
+def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs, results):
+    import torch.distributed as dist
+
     try:
+        os.environ.clear()
+        os.environ.update(env)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
-        import torch.distributed as dist
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -65,15 +81,17 @@ def _rank_entry(fn, rank, world_size, port, num_threads, apply_patches, args, kw
 
             apply_cpu_patches()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            value = fn(*args, **kwargs)
-            pickle.dumps(value)  # fail here, with a traceback, rather than in the queue's thread
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        results.put((rank, True, value))
+        value = fn(*args, **kwargs)
+        pickle.dumps(value)  # fail here, with a traceback, rather than in the queue's thread
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        # Report before tearing the group down: peers then fail with "connection closed", and the
+        # parent should see this rank's error first.
         results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    else:
+        results.put((rank, True, value))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(
@@ -83,7 +101,7 @@ def run_distributed(
     timeout: float = 120.0,
     num_threads: int = 1,
     apply_patches: bool = True,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
     **kwargs: Any,
 ) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
@@ -92,26 +110,35 @@ def run_distributed(
     RuntimeError if a rank dies without reporting, TimeoutError after `timeout` seconds.
     """
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Effective only before the server starts (the first forkserver call of this process).
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
     results = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
         ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
-                    args=(fn, rank, world_size, port, num_threads, apply_patches, args, kwargs, results))
+                    args=(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs,
+                          results))
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
+    finished = False
     try:
-        return _collect(procs, results, world_size, timeout)
+        values = _collect(procs, results, world_size, timeout)
+        finished = True
+        return values
     finally:
-        _kill(procs)
+        _stop(procs, grace=2.0 if finished else 0.0)
         results.close()
 
 
 def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
-    failure = None
+    failures: list[DistributedTestError] = []
+    failure = None  # (first failure, when it arrived)
     while len(values) < world_size:
         if failure is not None:
             deadline = min(deadline, failure[1] + FAILURE_GRACE_S)
@@ -121,21 +148,22 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
         try:
             rank, ok, payload = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-            if dead and failure is None:
-                rank = dead[0]
-                failure = (DistributedTestError(rank, "ProcessDied",
-                           f"exit code {procs[rank].exitcode} before reporting a result", ""),
-                           time.monotonic())
+            for rank, proc in enumerate(procs):
+                if proc.exitcode not in (None, 0) and rank not in values:
+                    values[rank] = None
+                    failures.append(DistributedTestError(
+                        rank, "ProcessDied", f"exit code {proc.exitcode} before reporting a result", ""))
+                    failure = failure or (failures[-1], time.monotonic())
             continue
         if ok:
             values[rank] = payload
-        elif failure is None:
-            failure = (DistributedTestError(rank, *payload), time.monotonic())
-        else:
-            values[rank] = None  # a later failure on another rank; the first one is reported
+            continue
+        values[rank] = None
+        failures.append(DistributedTestError(rank, *payload))
+        if failure is None:
+            failure = (failures[0], time.monotonic())
     if failure is not None:
-        raise failure[0]
+        raise _root_cause(failures)
     if len(values) < world_size:
         missing = sorted(set(range(world_size)) - set(values))
         raise TimeoutError(f"run_distributed: ranks {missing} did not finish within {timeout:.0f} s "
@@ -143,9 +171,25 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
     return [values[r] for r in range(world_size)]
 
 
-def _kill(procs) -> None:
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "gloo/transport")
+
+
+def _root_cause(failures: List[DistributedTestError]) -> DistributedTestError:
+    """The failure to report: the first one that is not just a peer noticing another rank died."""
+    primary = next((f for f in failures
+                    if not any(m in f.remote_message for m in _PEER_LOSS_MARKERS)), failures[0])
+    others = sorted(f.rank for f in failures if f is not primary)
+    if others:
+        primary.args = (primary.args[0] + f"\n(ranks {others} failed too)",)
+    return primary
+
+
+def _stop(procs, grace: float) -> None:
+    """Join ranks that are exiting on their own (up to `grace` s), then kill the rest."""
+    deadline = time.monotonic() + grace
     for proc in procs:
-        proc.join(timeout=2.0)
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()

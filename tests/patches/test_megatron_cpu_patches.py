@@ -44,6 +44,46 @@ def _build_gpt(tp: int, seed: int = SEED, pp: int = 1):
     return model, config
 
 
+def _build_llama_like(recompute: bool, seed: int = SEED):
+    """RoPE + RMSNorm + SwiGLU, dropout 0.1, parameters created on the (CPU) "current device"
+    (use_cpu_initialization=False: patch 2 and the tracker's model-parallel state), optional full
+    activation recompute (CheckpointFunction saves/restores the RNG states: patch 1)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1) if recompute else {}
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32,
+        hidden_dropout=0.1, attention_dropout=0.1, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=False, **recompute_args)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def _recompute_dropout_checks() -> dict:
+    """Same seed ⇒ same dropout masks, with and without activation recompute (grads identical)."""
+    results = []
+    for recompute, seed in ((False, SEED), (True, SEED), (False, SEED + 1)):
+        model = _build_llama_like(recompute, seed)
+        torch.manual_seed(seed + 100)  # same default-generator state before each forward
+        loss = _loss(model)
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b), (loss_c, _) = results
+    return {
+        "loss": loss_a,
+        "recompute_same_loss": loss_a == loss_b,
+        "recompute_same_grads": all(torch.equal(a, b) for a, b in zip(grads_a, grads_b)),
+        "other_seed_other_loss": loss_a != loss_c,
+    }
+
+
 def _batch(rows: slice = slice(None)):
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
@@ -167,6 +207,7 @@ def single_rank_checks() -> dict:
     model, _ = _build_gpt(tp=1)
     out["tp1_loss"], out["tp1_grads_ok"] = _forward_backward(model)
     out["rng"] = _rng_checks()  # needs model parallel initialised
+    out["recompute"] = _recompute_dropout_checks()
     model, config = _build_gpt(tp=1)
     model, optimizer = _ddp_distopt(model, config)
     out["dp1_before"], out["dp1_after"] = _train_step(model, optimizer, slice(None))
@@ -255,3 +296,10 @@ def test_rng_tracker_fork_is_reproducible_with_same_seed(single_rank):
     assert rng["same_seed_same_mask"] and rng["other_seed_other_mask"]
     assert rng["fork_restores_outer_state"]
     assert not any("CPU RNG state changed" in m for m in rng["warnings"])
+
+
+def test_activation_recompute_replays_dropout_rng_exactly(single_rank):
+    recompute = single_rank["recompute"]
+    assert math.isfinite(recompute["loss"])
+    assert recompute["recompute_same_loss"] and recompute["recompute_same_grads"]
+    assert recompute["other_seed_other_loss"]
