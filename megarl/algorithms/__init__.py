@@ -4,7 +4,8 @@ aggregation, rollout/train mismatch correction and DAPO pieces.
 Each kind lives in a registry whose members share one signature:
 
     get_advantage_estimator(name)(inputs: AdvantageInputs, cfg: AdvantageConfig) -> (advantages, returns)
-    get_policy_loss(name)(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation) -> (loss, stats)
+    get_policy_loss(name)(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation)
+        -> (loss, stats)
     get_kl_estimator(name)(log_probs, ref_log_probs) -> kl [B, T]
     LOSS_AGGREGATIONS.get(mode)(loss_mat, mask, agg) -> scalar
 

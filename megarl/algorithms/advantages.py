@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algorithms.masked import (
-    GroupIds, group_codes, group_mean_std, masked_whiten, zero_masked,
+    GroupIds, group_codes, group_mean_std, masked_whiten, whiten_zeroed, zero_masked,
 )
 from megarl.algorithms.registry import Registry
 
@@ -31,7 +31,7 @@ class AdvantageConfig:
     """Knobs of the advantage estimators (each estimator reads the ones it needs)."""
 
     estimator: str = "grpo"
-    """Name in ADVANTAGE_ESTIMATORS: gae, grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."""
+    """Name in ADVANTAGE_ESTIMATORS: gae, grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), remax."""
     gamma: float = 1.0
     """Discount γ per response token (gae, reinforce_plus_plus)."""
     lam: float = 1.0
@@ -86,8 +86,11 @@ def discounted_cumsum(x: torch.Tensor, mask: torch.Tensor, discount: float, chun
     overflow), and the rounding error is of the same order as the step-by-step loop's.
     """
     mask = mask.bool()
-    x = zero_masked(x, mask)
-    weight = mask.to(x.dtype)
+    return _discounted_cumsum(zero_masked(x, mask), mask.to(x.dtype), discount, chunk)
+
+
+def _discounted_cumsum(x, weight, discount, chunk=None):
+    """`discounted_cumsum` of x that is already 0 off the mask; weight is the mask in x's dtype."""
     if discount == 1.0:
         return x.flip(-1).cumsum(-1).flip(-1).mul_(weight)
     if discount == 0.0:
@@ -106,7 +109,7 @@ def discounted_cumsum(x: torch.Tensor, mask: torch.Tensor, discount: float, chun
 def _scan_chunk(u, decay, carry, out):
     """h_j = decay_j · h_{j−1} + u_j over one chunk, written into `out`; returns the last h [B, 1]."""
     prod = decay.cumprod(-1)                                        # P_j
-    torch.cumsum(u / prod, dim=-1, out=out)                         # Σ_{s≤j} u_s / P_s
+    torch.div(u, prod, out=out).cumsum_(-1)                         # Σ_{s≤j} u_s / P_s
     out.add_(carry).mul_(prod)
     return out[:, -1:]
 
@@ -155,11 +158,13 @@ def gae(inputs: AdvantageInputs, cfg: AdvantageConfig):
     mask = inputs.response_mask.bool()
     values = zero_masked(inputs.require("values", "gae"), mask).to(_float(inputs.token_level_rewards))
     rewards = zero_masked(inputs.token_level_rewards, mask).to(values.dtype)
-    deltas = rewards + cfg.gamma * next_values(values, mask) - values
-    advantages = discounted_cumsum(deltas, mask, cfg.gamma * cfg.lam)
+    weight = mask.to(values.dtype)
+    # δ_t = r_t + γ V_{t+1} − V_t on response tokens (in place: no temporaries at [B, T])
+    deltas = next_values(values, mask).mul_(cfg.gamma).add_(rewards).sub_(values).mul_(weight)
+    advantages = _discounted_cumsum(deltas, weight, cfg.gamma * cfg.lam)
     returns = advantages + values                                   # both 0 off the mask
     if cfg.whiten_gae:
-        advantages = masked_whiten(advantages, mask)
+        advantages = whiten_zeroed(advantages, weight)
     return advantages, returns
 
 
@@ -220,7 +225,8 @@ def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AdvantageConfig):
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """REINFORCE++-baseline: A_i = s_i − mean_group(s) on every token, then whitened over the batch."""
     scores = sequence_scores(inputs)
-    codes, num_groups = group_codes(inputs.require("group_ids", "reinforce_plus_plus_baseline"), scores.device)
+    group_ids = inputs.require("group_ids", "reinforce_plus_plus_baseline")
+    codes, num_groups = group_codes(group_ids, scores.device)
     mean, _, _ = group_mean_std(scores, codes, num_groups)
     centered = _broadcast(scores - mean, inputs.response_mask)
     return masked_whiten(centered, inputs.response_mask), centered

@@ -32,7 +32,7 @@ class LossAggregation:
     """An aggregation mode plus the global denominators of the step it normalises by."""
 
     mode: str = "token-mean"
-    """One of LOSS_AGGREGATIONS: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    """Name in LOSS_AGGREGATIONS: token-mean, seq-mean-token-{sum,mean}, seq-mean-token-sum-norm."""
     global_tokens: float | None = None
     """Loss tokens in the whole step (all ranks and micro-batches); None: this call's count."""
     global_seqs: float | None = None

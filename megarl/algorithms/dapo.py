@@ -91,7 +91,8 @@ def overlong_penalty(response_lengths: torch.Tensor, max_response_len: int, buff
     −factor for L ≥ L_max.
     """
     if not 0 < buffer_len <= max_response_len:
-        raise ValueError(f"overlong buffer_len must lie in (0, max_response_len={max_response_len}]; got {buffer_len}")
+        raise ValueError(f"overlong buffer_len must lie in (0, max_response_len={max_response_len}]; "
+                         f"got {buffer_len}")
     expected = max_response_len - buffer_len
     exceed = response_lengths.to(torch.float32) - expected
     return (-exceed / buffer_len).clamp(-1.0, 0.0) * penalty_factor

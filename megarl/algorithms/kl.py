@@ -92,7 +92,8 @@ def kl_loss(log_probs, ref_log_probs, response_mask, agg: LossAggregation, kl_co
     mask = response_mask.bool()
     kl = masked_kl(log_probs, ref_log_probs, mask, estimator)
     loss = kl_coef * aggregate_loss(kl, mask, agg)
-    return loss, {"kl_loss": masked_mean(kl.detach(), mask), "kl_coef": torch.tensor(float(kl_coef))}
+    stats = {"kl_loss": masked_mean(kl.detach(), mask), "kl_coef": torch.tensor(float(kl_coef))}
+    return loss, stats
 
 
 class FixedKLController:

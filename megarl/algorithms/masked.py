@@ -29,24 +29,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased (Bessel-corrected) variance of `x` over all masked positions."""
-    return _centered(x, mask.bool())[1]
-
-
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / sqrt(var + eps) with mean and variance over masked positions; 0 elsewhere."""
-    centered, var = _centered(x, mask.bool())
-    return centered.mul_(torch.rsqrt(var + eps))
+    """(x − mean) / sqrt(var + eps), mean and unbiased variance over masked positions; 0 elsewhere."""
+    mask = mask.bool()
+    return whiten_zeroed(zero_masked(x, mask), mask.to(x.dtype), eps)
 
 
-def _centered(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x − masked mean, 0 off the mask; unbiased masked variance)."""
-    x = zero_masked(x, mask)
-    count = mask.sum().to(x.dtype)
-    centered = (x - x.sum() / count.clamp(min=1)).mul_(mask.to(x.dtype))
+def whiten_zeroed(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """`masked_whiten` of x that is already 0 off the mask; weight is the mask in x's dtype."""
+    count = weight.sum(dtype=torch.float64).clamp(min=1)
+    centered = (x - x.sum() / count).mul_(weight)
     flat = centered.view(-1)
-    return centered, torch.dot(flat, flat) / (count - 1).clamp(min=1)
+    var = torch.dot(flat, flat) / (count - 1).clamp(min=1)
+    return centered.mul_(torch.rsqrt(var + eps).to(x.dtype))
 
 
 def group_codes(group_ids: GroupIds, device: torch.device | None = None) -> tuple[torch.Tensor, int]:

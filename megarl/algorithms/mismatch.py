@@ -61,7 +61,8 @@ def truncated_is_weights(log_probs_train, log_probs_rollout, response_mask, cap:
     log_weights = IS_LEVELS.get(level)(log_ratio, mask)
     weights = zero_masked(torch.exp(log_weights.clamp(max=math.log(cap))), mask)
     truncated = (log_weights > math.log(cap)) & mask
-    stats = {"is_weight_mean": masked_mean(weights, mask), "is_clipfrac": masked_mean(truncated.float(), mask)}
+    stats = {"is_weight_mean": masked_mean(weights, mask),
+             "is_clipfrac": masked_mean(truncated.float(), mask)}
     return weights, stats
 
 

@@ -107,8 +107,9 @@ def ppo_clip(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregati
     pg_losses = -advantages * clipped_ratio
     with torch.no_grad():
         clipped = (clipped_ratio != ratio) & (advantages != 0)
-        dual = (advantages < 0) & (ratio > cfg.clip_ratio_c) if cfg.clip_ratio_c else torch.zeros_like(mask)
-        stats = {"pg_clipfrac": _fraction(clipped & ~dual, mask), "pg_clipfrac_lower": _fraction(dual, mask)}
+        dual = (advantages < 0) & (ratio > (cfg.clip_ratio_c or math.inf))
+        stats = {"pg_clipfrac": _fraction(clipped & ~dual, mask),
+                 "pg_clipfrac_lower": _fraction(dual, mask)}
     return _finish(pg_losses, inputs, mask, agg, stats, log_ratio)
 
 
@@ -117,7 +118,8 @@ def gspo(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation):
     """GSPO (Zheng et al. 2025), GSPO-token form: a sequence-level ratio with token gradients.
 
     s_i = exp((1/|y_i|) Σ_t log r_{i,t})  (geometric mean of the token ratios),
-    s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)],  pg_losses = max(−A·s_{i,t}, −A·clip(s_{i,t}, 1−ε_low, 1+ε_high)).
+    s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)],
+    pg_losses = max(−A·s_{i,t}, −A·clip(s_{i,t}, 1−ε_low, 1+ε_high)).
     The paper uses tiny ε (3e-4 / 4e-4) and seq-mean-token-mean aggregation.
     """
     mask = inputs.response_mask.bool()

@@ -26,8 +26,8 @@ class Registry:
         def add(fn: Callable) -> Callable:
             self._check_signature(fn, names[0] if names else fn.__name__)
             for name in names or (fn.__name__,):
-                if name in self._fns and self._fns[name] is not fn:
-                    raise ValueError(f"{self.kind} {name!r} is already registered")
+                if name in self._fns and _qualname(self._fns[name]) != _qualname(fn):
+                    raise ValueError(f"{self.kind} {name!r} is already registered to {_qualname(self._fns[name])}")
                 self._fns[name] = fn
             return fn
 
@@ -62,6 +62,11 @@ class Registry:
             ) from None
         except ValueError:  # builtins without a signature: accept
             pass
+
+
+def _qualname(fn: Callable) -> str:
+    """module.qualname: the same function re-registered on a module reload is not a clash."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _load_dotted(path: str, kind: str) -> Callable:

@@ -79,7 +79,8 @@ class Batch:
             self._rows = column.shape[0]
         if column.shape[0] != self._rows:
             raise ValueError(f"column {key!r} has {column.shape[0]} rows; the batch has {self._rows}")
-        home, other = (self.tensors, self.non_tensors) if isinstance(column, torch.Tensor) else (self.non_tensors, self.tensors)
+        is_tensor = isinstance(column, torch.Tensor)
+        home, other = (self.tensors, self.non_tensors) if is_tensor else (self.non_tensors, self.tensors)
         other.pop(key, None)
         home[key] = column  # replacing keeps the column's position
 
@@ -243,7 +244,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _check_compatible(first: Batch, other: Batch, i: int) -> None:
     """Raise naming the key when batch `i` cannot be concatenated after `first`."""
-    for kind, a, b in (("tensor", first.tensors, other.tensors), ("non-tensor", first.non_tensors, other.non_tensors)):
+    pairs = (("tensor", first.tensors, other.tensors), ("non-tensor", first.non_tensors, other.non_tensors))
+    for kind, a, b in pairs:
         for key in a.keys() ^ b.keys():
             where = "batch 0" if key in a else f"batch {i}"
             raise ValueError(f"cannot concat: {kind} column {key!r} is only in {where}")
@@ -252,8 +254,8 @@ def _check_compatible(first: Batch, other: Batch, i: int) -> None:
                 raise ValueError(f"cannot concat: column {key!r} is {a[key].dtype} in batch 0 "
                                  f"but {b[key].dtype} in batch {i}")
             if tuple(a[key].shape[1:]) != tuple(b[key].shape[1:]):
-                raise ValueError(f"cannot concat: column {key!r} has trailing shape {tuple(a[key].shape[1:])} "
-                                 f"in batch 0 but {tuple(b[key].shape[1:])} in batch {i}")
+                raise ValueError(f"cannot concat: column {key!r} has trailing shape "
+                                 f"{tuple(a[key].shape[1:])} in batch 0 but {tuple(b[key].shape[1:])} in batch {i}")
 
 
 def _to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
