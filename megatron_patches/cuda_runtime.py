@@ -16,18 +16,23 @@ What: while applied, these `torch.cuda` attributes are replaced:
   * `Tensor.record_stream` (through the device mode, patch 3) → no-op.
   `empty_cache`, `memory_stats`, `memory_allocated`, `memory_reserved`, `max_memory_allocated`
   already return empty values on a CPU-only torch and are left alone.
-Why: megatron-core calls these unconditionally (megatron-core 0.19.2:
-  distributed/param_and_grad_buffer.py and distributed/distributed_data_parallel.py stream/event
-  handling for overlapped grad reduce / param gather; pipeline_parallel/schedules.py and
-  p2p_communication.py `torch.cuda.synchronize` / `current_stream`;
-  transformer/transformer_block.py and utils.py NVTX ranges (`nvtx_range_push/pop`);
-  dist_checkpointing strategies' `synchronize`; optimizer/optimizer.py `empty_cache`;
-  utils.py timers; `get_device_properties` / `get_device_capability` in feature checks).
+Why: megatron-core calls these unconditionally (megatron-core 0.19.2):
+  `synchronize` — pipeline_parallel/p2p_communication.py `_communicate` (every PP send/recv),
+  dist_checkpointing/strategies/filesystem_async.py `preload_tensors` (every torch_dist save),
+  fully_parallel.py, async_utils.py, tensor_aware_state_dict.py, timers.py, parallel_state.py,
+  distributed/distributed_data_parallel.py `offload_grad_buffers` / `restore_grad_buffers`;
+  `current_stream` / `stream` / `Stream.wait_stream` — distributed/param_and_grad_buffer.py
+  `start_grad_sync` / `finish_grad_sync` (overlap_grad_reduce) and the stream users in
+  pipeline_parallel/utils.py, fine_grained_activation_offload.py, combined_1f1b.py;
+  `Event` — utils.py StragglerDetector, transformer/transformer_layer.py, offloading;
+  `nvtx.range_push/pop` — utils.py `nvtx_range_push/pop` once `configure_nvtx_profiling(True)`;
+  `get_device_properties` / `get_device_capability` — feature checks in GPU-only modules
+  (batch-invariant kernels, fusions, TE extensions), answered "no GPU features".
   A CPU-only torch raises on most of them ("Torch not compiled with CUDA enabled").
 Why the math is unchanged: on CPU every op runs synchronously on one stream, so there is nothing
   to order or wait for; NVTX and memory statistics are observability only. Device queries return
   "no GPU features" (capability 0.0), which disables GPU-only fast paths rather than changing math.
-Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu).
+Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core guards these with `torch.cuda.is_available()` or uses the
   device-generic `torch.accelerator` / `torch.Stream` / `torch.Event` APIs.
 """

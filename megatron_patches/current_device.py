@@ -5,7 +5,10 @@ What: while applied, `torch.cuda.current_device()` returns `torch.device("cpu")`
 Why: megatron-core passes `device=torch.cuda.current_device()` when it allocates parameters,
   gradient buffers and activations (megatron-core 0.19.2: tensor_parallel/layers.py weights and
   the all-gather buffers of linear_with_grad_accumulation, tensor_parallel/mappings.py and
-  tensor_parallel/utils.py gather buffers, utils.py GlobalMemoryBuffer (attention workspace),
+  tensor_parallel/utils.py gather buffers, utils.py GlobalMemoryBuffer.get_tensor (attention
+  workspace), distributed/param_and_grad_buffer.py (DDP param/grad buffers),
+  pipeline_parallel/p2p_communication.py receive buffers,
+  dist_checkpointing/strategies/state_dict_saver.py,
   models/common/embeddings/rotary_pos_embedding.py RoPE `inv_freq`,
   transformer/transformer_layer.py, optimizer/grad_scaler.py, optimizer/distrib_optimizer.py,
   rerun_state_machine.py (only for log messages)).
@@ -16,7 +19,7 @@ Why the math is unchanged: the value is used only as a placement; every tensor k
 Not covered: sites that build `torch.device("cuda", torch.cuda.current_device())` or
   f"cuda:{...}" — nccl_allocator.py, fault_injector.py, distributed/fsdp/ (Megatron-FSDP) —
   are GPU-only features and stay unsupported on CPU.
-Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu).
+Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core takes its device from `torch.accelerator.current_accelerator()`
   or from a config field instead of `torch.cuda.current_device()`.
 """

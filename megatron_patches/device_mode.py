@@ -13,7 +13,8 @@ What: `CpuDeviceMode`, a `torch.overrides.TorchFunctionMode` that rewrites, for 
 Why: megatron-core allocates many small buffers with a literal `device="cuda"` or `.cuda()`
   (megatron-core 0.19.2: pipeline_parallel/schedules.py `total_num_tokens`,
   optimizer/optimizer.py `found_inf` / `_dummy_overflow_buf` / `_scale_one` / `_scale`,
-  optimizer/clip_grads.py `total_norm` / `dummy_overflow_buf`, optimizer/grad_scaler.py,
+  `has_grad_norm_group`, optimizer/clip_grads.py `total_norm` / `dummy_overflow_buf`,
+  utils.py `local_multi_tensor_l2_norm`, optimizer/grad_scaler.py,
   distributed/param_and_grad_buffer.py `tmp_warmup_tensor` and `.pin_memory()`,
   dist_checkpointing/exchange_utils.py `empty_like(device="cuda")` / `.cuda()`,
   dist_checkpointing/strategies/state_dict_saver.py, transformer/utils.py attention masks,
@@ -24,7 +25,7 @@ Why the math is unchanged: only where a tensor lives changes — never its dtype
   the operation applied. `pin_memory` only affects host→device copy speed; there is no device.
   The mode is thread-local: push it on every thread that runs megatron code (`cpu_device_mode()`);
   autograd's CPU backward runs on the calling thread, so it is covered.
-Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu).
+Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core takes the device from a config/argument everywhere (it already does
   for most parameters via `torch.cuda.current_device()`, see patch 2), or torch's
   `torch.accelerator` API is used throughout so that a CPU "accelerator" works natively.

@@ -20,7 +20,7 @@ Why the math is unchanged: on CPU all random ops (dropout, init on the device) d
   (different generator algorithm), as they would between any two devices.
 Not covered: CUDA-graph-safe RNG (`use_cudagraphable_rng=True`, TE's tracker) raises a clear
   error; it has no meaning without CUDA graphs.
-Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu).
+Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core's tracker takes the generator of the active device (e.g. via
   `torch.accelerator` / `torch.get_device_module`) instead of hard-coding `torch.cuda`.
 """

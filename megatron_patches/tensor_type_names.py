@@ -9,7 +9,7 @@ Why: megatron-core checks parameter and gradient types by their CUDA names (mega
   "Wrapped parameters must be one of torch.cuda.FloatTensor, ..." for anything else).
 Why the math is unchanged: only the reported name changes; dtypes and values are untouched, and
   the branch megatron takes is the one it takes for the same dtype on a GPU.
-Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu).
+Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core checks `tensor.dtype` instead of `tensor.type()` strings.
 """
 from __future__ import annotations
