@@ -14,6 +14,7 @@ and the max |difference| between the two.
 Imports only torch (runs on CPU; uses CUDA when available unless --device cpu).
 """
 import argparse
+import os
 import time
 
 import torch
@@ -136,7 +137,9 @@ def main():
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     data = make_inputs(args.batch, args.seq, device)
-    print(f"B={args.batch} T={args.seq} device={device} threads={torch.get_num_threads()}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"B={args.batch} T={args.seq} device={device} threads={torch.get_num_threads()} "
+          f"cpus={os.cpu_count()} load_avg_1min={load:.1f} (on a busy machine prefer --threads 1)")
     print(f"{'case':34s} {'ref ms':>9s} {'ours ms':>9s} {'speedup':>8s} {'max|diff|':>10s}")
     rows = [(f"gae gamma={g} lam={l}", *bench_gae(data, device, args.repeats, g, l))
             for g, l in ((1.0, 1.0), (1.0, 0.95), (0.99, 0.95))]

@@ -132,11 +132,17 @@ def next_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
     """Per-row score [B]: the sum of token-level rewards over response tokens."""
     rewards = inputs.token_level_rewards
-    return zero_masked(rewards, inputs.response_mask).sum(-1).to(_float(rewards))
+    return zero_masked(rewards, inputs.response_mask).sum(-1).to(_float_dtype(rewards))
 
 
-def _float(t: torch.Tensor) -> torch.dtype:
+def _float_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def _masked_rewards(inputs: AdvantageInputs, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards as floats (≥ float32), 0 off the mask. [B, T]."""
+    rewards = inputs.token_level_rewards
+    return zero_masked(rewards, mask).to(_float_dtype(rewards))
 
 
 def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -156,8 +162,10 @@ def gae(inputs: AdvantageInputs, cfg: AdvantageConfig):
     with t running over response tokens only. A is whitened over the batch if cfg.whiten_gae.
     """
     mask = inputs.response_mask.bool()
-    values = zero_masked(inputs.require("values", "gae"), mask).to(_float(inputs.token_level_rewards))
-    rewards = zero_masked(inputs.token_level_rewards, mask).to(values.dtype)
+    rewards = _masked_rewards(inputs, mask)
+    values = zero_masked(inputs.require("values", "gae"), mask)
+    values = values.to(torch.promote_types(values.dtype, rewards.dtype))
+    rewards = rewards.to(values.dtype)
     weight = mask.to(values.dtype)
     # δ_t = r_t + γ V_{t+1} − V_t on response tokens (in place: no temporaries at [B, T])
     deltas = next_values(values, mask).mul_(cfg.gamma).add_(rewards).sub_(values).mul_(weight)
@@ -216,7 +224,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AdvantageConfig):
     Returns are G (before whitening).
     """
     mask = inputs.response_mask.bool()
-    rewards = zero_masked(inputs.token_level_rewards, mask).to(_float(inputs.token_level_rewards))
+    rewards = _masked_rewards(inputs, mask)
     returns = discounted_cumsum(rewards, mask, cfg.gamma)
     return masked_whiten(returns, mask), returns
 
@@ -240,7 +248,7 @@ def remax(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """
     mask = inputs.response_mask.bool()
     baseline = inputs.require("baseline_rewards", "remax")
-    rewards = zero_masked(inputs.token_level_rewards, mask).to(_float(inputs.token_level_rewards))
+    rewards = _masked_rewards(inputs, mask)
     returns = discounted_cumsum(rewards, mask, 1.0)
     advantages = zero_masked(returns - baseline.to(returns.dtype)[:, None], mask)
     return advantages, returns
