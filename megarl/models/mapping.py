@@ -79,8 +79,9 @@ class VocabMapping(Mapping):
 
     def to_mcore(self, hf_tensors, dims, padded_vocab):
         weight = hf_tensors[0]
-        if weight.shape[0] == padded_vocab:
-            return weight
+        if weight.shape[0] != dims.vocab_size:
+            raise ValueError(f"{self.hf[0]} has {weight.shape[0]} rows but vocab_size={dims.vocab_size}: the weights"
+                             " do not fit the model; does config.json match the weights?")
         padding = weight.new_zeros(padded_vocab - weight.shape[0], *weight.shape[1:])
         return torch.cat([weight, padding], dim=0)
 

@@ -1,0 +1,99 @@
+"""The `megarl` command: `convert`, `check-parity` (and, as they land, `train`, `eval`).
+
+Owns: argument parsing and turning the library's validation errors into one clear line and a
+non-zero exit code (no traceback for bad input). The work itself lives in the library.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megarl.models.layout import ParallelLayout
+
+_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+
+
+def _add_layout(parser: argparse.ArgumentParser, default_help: str) -> None:
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {default_help}")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per PP rank")
+
+
+def _layout(args) -> ParallelLayout:
+    return ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+
+
+def _convert_parser(sub) -> None:
+    convert = sub.add_parser("convert", help="convert checkpoints between HuggingFace and megatron-core")
+    direction = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = direction.add_parser("hf-to-mcore", help="HF safetensors → megatron-core distributed checkpoint")
+    to_mcore.add_argument("--hf-path", required=True)
+    to_mcore.add_argument("--mcore-path", required=True)
+    to_mcore.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                          help="storage dtype (default: the HF config's dtype)")
+    _add_layout(to_mcore, "of the written checkpoint's source layout")
+    to_hf = direction.add_parser("mcore-to-hf", help="megatron-core distributed checkpoint → HF safetensors")
+    to_hf.add_argument("--mcore-path", required=True)
+    to_hf.add_argument("--hf-path", required=True)
+    _add_layout(to_hf, "used to read the checkpoint (any layout loads it; 1 = single process)")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
+
+
+def _parity_parser(sub) -> None:
+    parity = sub.add_parser("check-parity", help="compare megatron-core and transformers logits")
+    parity.add_argument("--hf-path", required=True)
+    parity.add_argument("--atol", type=float, default=1e-4)
+    parity.add_argument("--seq-len", type=int, default=32)
+    parity.add_argument("--batch", type=int, default=2)
+    _add_layout(parity, "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _convert_parser(sub)
+    _parity_parser(sub)
+    return parser
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _run_convert(args) -> int:
+    from megarl.models import convert
+
+    if args.direction == "hf-to-mcore":
+        result = convert.hf_to_mcore(args.hf_path, args.mcore_path, _layout(args), dtype=args.dtype,
+                                     overwrite=args.overwrite)
+        message = f"wrote megatron checkpoint {args.mcore_path} ({result['model_type']}, {result['dtype']})"
+    else:
+        result = convert.mcore_to_hf(args.mcore_path, args.hf_path, _layout(args), overwrite=args.overwrite)
+        message = f"wrote HF checkpoint {args.hf_path} ({result['tensors']} tensors, {result['bytes'] / 2**20:.1f} MiB)"
+    if _is_rank0():
+        print(message)
+    return 0
+
+
+def _run_parity(args) -> int:
+    from megarl.models.parity import check_parity
+
+    result = check_parity(args.hf_path, _layout(args), batch=args.batch, seq=args.seq_len, atol=args.atol)
+    print(result)
+    return 0 if result.ok else 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"convert": _run_convert, "check-parity": _run_parity}[args.command]
+    try:
+        return handler(args)
+    except _USER_ERRORS as err:
+        print(f"megarl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Weight tables and split/merge rules (pure torch, no megatron)."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.models.hf_config import describe_hf_config, load_hf_config
+from megarl.models.mapping import GateUpMapping, QKVMapping, VocabMapping, WeightMap, padded_vocab_size
+
+
+def _dims(path):
+    return describe_hf_config(load_hf_config(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_weight_map_covers_exactly_the_hf_tensors(tiny_models, arch):
+    hf_names = set(load_file(tiny_models[arch] / "model.safetensors"))
+    assert set(WeightMap(_dims(tiny_models[arch])).hf_names()) == hf_names
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qkv_by_query_group_roundtrip_and_tp_shards_hold_whole_groups(tiny_models, tp):
+    dims = _dims(tiny_models["qwen3"])  # head_dim 32 != hidden / heads
+    q = torch.randn(dims.num_heads * dims.head_dim, dims.hidden_size)
+    k, v = (torch.randn(dims.num_kv_heads * dims.head_dim, dims.hidden_size) for _ in range(2))
+    mapping = QKVMapping("qkv", ("q", "k", "v"))
+    full = mapping.to_mcore([q, k, v], dims, 0)
+    per_group = (dims.num_heads // dims.num_kv_heads + 2) * dims.head_dim
+    # group 0 starts with query head 0, then its key head, then its value head
+    assert torch.equal(full[: dims.head_dim], q[: dims.head_dim])
+    assert torch.equal(full[per_group - 2 * dims.head_dim : per_group - dims.head_dim], k[: dims.head_dim])
+    shards = [mapping.shard(full, r, tp) for r in range(tp)]
+    assert all(s.shape[0] == dims.num_kv_heads // tp * per_group for s in shards)
+    back = mapping.to_hf(mapping.unshard(shards), dims)
+    assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v]))
+
+
+def test_qkv_bias_roundtrip(tiny_models):
+    dims = _dims(tiny_models["qwen2"])
+    q, k, v = torch.randn(64), torch.randn(32), torch.randn(32)
+    mapping = QKVMapping("qkv_bias", ("q", "k", "v"))
+    assert all(torch.equal(a, b) for a, b in zip(mapping.to_hf(mapping.to_mcore([q, k, v], dims, 0), dims), [q, k, v]))
+
+
+def test_gate_up_shards_are_gate_then_up_per_rank():
+    gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
+    mapping = GateUpMapping("fc1", ("gate", "up"))
+    full = mapping.to_mcore([gate, up], None, 0)
+    shard1 = mapping.shard(full, 1, 2)
+    assert torch.equal(shard1, torch.cat([gate[2:], up[2:]]))
+    assert torch.equal(mapping.unshard([mapping.shard(full, r, 2) for r in range(2)]), full)
+
+
+def test_vocab_padding_to_multiple_of_tp_times_128_and_dropped_on_export(tiny_models):
+    dims = _dims(tiny_models["llama"])
+    assert padded_vocab_size(96, 1) == 128 and padded_vocab_size(96, 2) == 256 and padded_vocab_size(300, 2) == 512
+    weight = torch.randn(96, 64)
+    mapping = VocabMapping("emb", ("e",))
+    full = mapping.to_mcore([weight], dims, 256)
+    assert full.shape == (256, 64) and torch.count_nonzero(full[96:]) == 0
+    assert torch.equal(mapping.to_hf(full, dims)[0], weight)
+
+
+def test_lookup_offsets_layers_and_accepts_te_and_ddp_names(tiny_models):
+    wmap = WeightMap(_dims(tiny_models["llama"]))
+    assert wmap.lookup("decoder.layers.0.mlp.linear_fc2.weight", layer_offset=1).hf == ("model.layers.1.mlp.down_proj.weight",)
+    te = wmap.lookup("module.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight")
+    assert te.hf == ("model.layers.1.input_layernorm.weight",)
+    with pytest.raises(KeyError, match="no HF mapping for megatron parameter"):
+        wmap.lookup("decoder.layers.0.mlp.router.weight")
+
+
+def test_tied_embeddings_load_output_copy_from_embedding_and_never_export_it(tiny_models):
+    wmap = WeightMap(_dims(tiny_models["qwen2"]))  # tied
+    assert wmap.lookup("output_layer.weight").hf == ("model.embed_tokens.weight",)
+    assert wmap.is_tied_copy("output_layer.weight") and "lm_head.weight" not in wmap.hf_names()
+
+
+def test_value_head_maps_to_score(tiny_models):
+    wmap = WeightMap(_dims(tiny_models["qwen2"]), value_head=True)
+    assert wmap.lookup("output_layer.weight").hf == ("score.weight",)
