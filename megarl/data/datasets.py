@@ -307,6 +307,12 @@ class PromptBatch(NamedTuple):
     tensors: dict[str, torch.Tensor]
     non_tensors: dict[str, np.ndarray]
 
+    def to_batch(self, meta: dict[str, Any] | None = None):
+        """As the `megarl.data.batch.Batch` that crosses between roles."""
+        from megarl.data.batch import Batch
+
+        return Batch.from_dict(self.tensors, self.non_tensors, meta)
+
 
 def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> PromptBatch:
     """Left-pad `input_ids` to the longest prompt; every other field becomes an object array."""

@@ -40,17 +40,18 @@ def make_arithmetic_dataset(
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({
-            "prompt": _prompt(f"{a}{op}{b}=", chat),
-            "ground_truth": str(answer),
-            "data_source": "arithmetic",
-            "extra_info": {"index": i, "a": a, "b": b, "op": op},
-        })
-    return rows
+    return [_arithmetic_row(rng, i, max_operand, ops, chat) for i in range(n)]
+
+
+def _arithmetic_row(rng: random.Random, index: int, max_operand: int, ops: tuple[str, ...], chat: bool) -> dict[str, Any]:
+    a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {
+        "prompt": _prompt(f"{a}{op}{b}=", chat),
+        "ground_truth": str(answer),
+        "data_source": "arithmetic",
+        "extra_info": {"index": index, "a": a, "b": b, "op": op},
+    }
 
 
 def _random_equation(rng: random.Random, numbers: list[int]) -> str:
@@ -81,23 +82,32 @@ def make_countdown_dataset(
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     while len(rows) < n:
-        numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
-        equation = _random_equation(rng, numbers)
-        target = evaluate_equation(equation)
-        if target is None or target.denominator != 1 or not 0 < target <= max_target:
+        problem = _countdown_problem(rng, num_numbers, max_number, max_target)
+        if problem is None:
             continue
+        numbers, equation, target = problem
         content = (
-            f"Using the numbers {numbers}, write an equation that equals {int(target)}. "
+            f"Using the numbers {numbers}, write an equation that equals {target}. "
             "Use each number exactly once, with + - * / and parentheses. "
             "Give the equation in <answer></answer>."
         )
         rows.append({
             "prompt": _prompt(content, chat),
-            "ground_truth": json.dumps({"target": int(target), "numbers": numbers}),
+            "ground_truth": json.dumps({"target": target, "numbers": numbers}),
             "data_source": "countdown",
             "extra_info": {"index": len(rows), "solution": equation},
         })
     return rows
+
+
+def _countdown_problem(rng: random.Random, num_numbers: int, max_number: int, max_target: int):
+    """(numbers, a solution equation, target), or None when the drawn target is out of range."""
+    numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
+    equation = _random_equation(rng, numbers)
+    target = evaluate_equation(equation)
+    if target is None or target.denominator != 1 or not 0 < target <= max_target:
+        return None
+    return numbers, equation, int(target)
 
 
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {

@@ -215,10 +215,17 @@ class _PoolRun:
         self.deadline_s = runner.config.timeout_s + runner.config.kill_grace_s
 
     def submit(self, pool: cf.ProcessPoolExecutor) -> None:
-        """Keep at most one sample per worker in flight, so a sample's clock starts when it runs."""
+        """Keep at most one sample per worker in flight, so a sample's clock starts when it runs.
+
+        A sample that was in flight when a worker died runs alone, so the one that kills its
+        worker cannot take a bystander down with it a second time.
+        """
         timeout_s = self.runner.config.timeout_s
         while self.queue and len(self.running) < self.runner.config.num_workers:
-            i = self.queue.popleft()
+            i = self.queue[0]
+            if (i in self.retried and self.running) or any(j in self.retried for j, _ in self.running.values()):
+                return
+            self.queue.popleft()
             self.running[pool.submit(_score_one, *self.tasks[i], timeout_s)] = (i, time.monotonic())
 
     def time_to_deadline(self) -> float:

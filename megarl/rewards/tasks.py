@@ -1,7 +1,8 @@
 """Rewards of the generated tasks in `megarl.data.tasks`: `arithmetic` and `countdown`.
 
-Both are shaped so a tiny model trained from scratch gets a learning signal: a well-formed but
-wrong answer earns `format_score` (from `extra`, default 0.1), a correct one 1.0. The countdown
+Both are shaped so a tiny model trained from scratch gets a learning signal: a correct answer
+scores 1.0, a wrong arithmetic answer partial credit by its closeness, a parseable but wrong
+countdown equation `format_score` (from `extra`, default 0.1). The countdown
 equation is evaluated with exact fractions by walking its AST (never `eval`). Pure Python.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fractions import Fraction
 from megarl.rewards.registry import register_reward
 
 DEFAULT_FORMAT_SCORE = 0.1
+DEFAULT_PARTIAL_CREDIT = 0.5
 _INT = re.compile(r"-?\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _EQUATION_CHARS = re.compile(r"[\d+\-*/() .]+")
@@ -28,13 +30,20 @@ def _format_score(extra: dict | None) -> float:
 
 @register_reward("arithmetic")
 def arithmetic_reward(solution_str: str, ground_truth: str, extra: dict) -> dict:
-    """1.0 when the last integer of the response is the answer; `format_score` when the response is
-    a bare integer but wrong; 0.0 otherwise."""
-    response = solution_str.strip()
+    """1.0 when the last integer of the response is the answer. A response that is a bare but
+    wrong integer earns `extra["partial_credit"]` (default 0.5) scaled by its closeness,
+    max(0, 1 - |pred - answer| / max(10, |answer|)); anything else 0.0.
+
+    The closeness term is what lets a tiny model learn from scratch: a flat format bonus is
+    hacked into endless digit strings ("6666"), while closeness also rewards stopping early.
+    """
+    response, answer = solution_str.strip(), int(str(ground_truth).strip())
     numbers = _INT.findall(response)
-    correct = bool(numbers) and int(numbers[-1]) == int(str(ground_truth).strip())
-    well_formed = _INT.fullmatch(response) is not None
-    score = 1.0 if correct else (_format_score(extra) if well_formed else 0.0)
+    correct = bool(numbers) and int(numbers[-1]) == answer
+    score = 1.0 if correct else 0.0
+    if not correct and _INT.fullmatch(response):
+        closeness = max(0.0, 1.0 - abs(int(response) - answer) / max(10, abs(answer)))
+        score = float((extra or {}).get("partial_credit", DEFAULT_PARTIAL_CREDIT)) * closeness
     return {"score": score, "acc": float(correct)}
 
 

@@ -344,3 +344,12 @@ def test_preprocess_math_takes_last_boxed_and_skips_unboxed(tmp_path, tokenizer)
     ds = PromptDataset(DataConfig(files=[out], max_prompt_tokens=256), tokenizer)
     assert len(ds) == 1 and ds[0]["ground_truth"] == r"\frac{1}{2}" and ds[0]["data_source"] == "math"
     assert ds[0]["extra_info"]["level"] == "Level 1" and out.endswith("eval.parquet")
+
+
+def test_prompt_batch_to_batch_keeps_tensors_and_columns(tmp_path, tokenizer):
+    pytest.importorskip("megarl.data.batch")
+    ds = _dataset(tmp_path, tokenizer, _rows(4))
+    batch = PromptLoader(ds, prompts_per_step=4, shuffle=False).next_batch().to_batch(meta={"step": 1})
+    assert len(batch) == 4 and batch.meta == {"step": 1}
+    assert torch.equal(batch["attention_mask"][:, -1], torch.ones(4, dtype=torch.long))
+    assert list(batch["ground_truth"]) == ["0", "1", "2", "3"]

@@ -38,15 +38,17 @@ def test_arithmetic_other_ops_and_raw_prompts():
 
 @pytest.mark.parametrize("response,score,acc", [
     ("7", 1.0, 1.0), (" 7\n", 1.0, 1.0), ("3+4=7", 1.0, 1.0),
-    ("8", 0.1, 0.0), ("seven", 0.0, 0.0), ("7 is it? no, 8", 0.0, 0.0), ("", 0.0, 0.0),
+    ("8", 0.45, 0.0), ("2", 0.25, 0.0), ("6666", 0.0, 0.0),
+    ("seven", 0.0, 0.0), ("7 is it? no, 8", 0.0, 0.0), ("", 0.0, 0.0),
 ])
-def test_arithmetic_reward_correct_incorrect_and_format(response, score, acc):
+def test_arithmetic_reward_correct_incorrect_and_closeness(response, score, acc):
     out = get_reward_fn("arithmetic")(response, "7", {})
-    assert out["score"] == score and out["acc"] == acc
+    assert out["score"] == pytest.approx(score) and out["acc"] == acc
 
 
-def test_arithmetic_reward_format_score_from_extra():
-    assert get_reward_fn("arithmetic")("8", "7", {"format_score": 0.0})["score"] == 0.0
+def test_arithmetic_reward_partial_credit_from_extra():
+    assert get_reward_fn("arithmetic")("8", "7", {"partial_credit": 0.0})["score"] == 0.0
+    assert get_reward_fn("arithmetic")("-8", "-7", {})["score"] == pytest.approx(0.45)
 
 
 def test_countdown_every_generated_solution_scores_one():

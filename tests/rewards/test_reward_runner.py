@@ -55,9 +55,11 @@ def test_worker_ignoring_alarm_is_killed_pool_recreated_and_others_scored(runner
 
 def test_worker_process_dying_records_failure_and_scores_others(runner):
     _use(runner, "dies_on_crash")
-    out = runner.score(["a", "crash", "b"], ["a", "a", "b"])
-    assert [r["score"] for r in out] == [1.0, 0.0, 1.0]
-    assert "died" in out[1]["reward_error"]
+    solutions = ["a", "crash", "a", "a", "a", "crash", "a", "a"]
+    out = runner.score(solutions, ["a"] * 8)
+    assert [r["score"] for r in out] == [0.0 if s == "crash" else 1.0 for s in solutions]
+    assert "died" in out[1]["reward_error"] and "died" in out[5]["reward_error"]
+    assert all(r["reward_error"] is None for s, r in zip(solutions, out) if s != "crash")
 
 
 def test_non_numeric_result_records_failure(runner):
