@@ -25,14 +25,15 @@ level (apply_cpu_patches imports it inside the ranks).
 """
 from __future__ import annotations
 
+import io
 import os
-import pickle
 import queue
 import socket
 import time
 import traceback
 from typing import Any, Callable, List
 
+import torch
 import torch.multiprocessing as mp
 
 # Seconds the parent waits for the other ranks once one rank has failed (they are usually stuck
@@ -64,6 +65,23 @@ _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron_patches", "megatr
                        "megatron.core.models.gpt"]
 
 
+def _dumps(value: Any) -> bytes:
+    """Serialise a rank's result in the rank, so a bad value fails there with a traceback.
+
+    torch.save, not pickle: tensors go by value (torch's shared-memory queue reductions break when
+    a rank exits before the parent reads), and storages do not reference
+    megatron.core.safe_globals (importing megatron.core changes how plain pickle writes them,
+    which would make the parent import megatron, ~5 s, to read a result).
+    """
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs, results):
     import torch.distributed as dist
 
@@ -72,8 +90,6 @@ def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, arg
         os.environ.update(env)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        import torch
-
         if num_threads:
             torch.set_num_threads(num_threads)
         if apply_patches:
@@ -81,14 +97,13 @@ def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, arg
 
             apply_cpu_patches()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        value = fn(*args, **kwargs)
-        pickle.dumps(value)  # fail here, with a traceback, rather than in the queue's thread
+        payload = _dumps(fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         # Report before tearing the group down: peers then fail with "connection closed", and the
         # parent should see this rank's error first.
         results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
     else:
-        results.put((rank, True, value))
+        results.put((rank, True, payload))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -106,8 +121,8 @@ def run_distributed(
 ) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
 
-    Raises DistributedTestError (first failing rank, with its traceback) if a rank raises,
-    RuntimeError if a rank dies without reporting, TimeoutError after `timeout` seconds.
+    Raises DistributedTestError (the failing rank, with its traceback) if a rank raises or dies
+    without reporting (exc_type "ProcessDied"), TimeoutError after `timeout` seconds.
     """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
@@ -156,7 +171,7 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
                     failure = failure or (failures[-1], time.monotonic())
             continue
         if ok:
-            values[rank] = payload
+            values[rank] = _loads(payload)
             continue
         values[rank] = None
         failures.append(DistributedTestError(rank, *payload))

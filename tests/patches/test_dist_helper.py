@@ -22,6 +22,7 @@ def report_env_and_all_reduce(scale: int) -> dict:
         "backend": dist.get_backend(),
         "threads": torch.get_num_threads(),
         "sum": scale * value.item(),
+        "tensor": torch.full((3,), float(dist.get_rank())),
     }
 
 
@@ -43,6 +44,7 @@ def test_run_distributed_returns_each_ranks_value_in_rank_order():
     assert all(r["env"]["MASTER_ADDR"] == "127.0.0.1" and r["env"]["WORLD_SIZE"] == "2" for r in results)
     assert [r["env"]["LOCAL_RANK"] for r in results] == ["0", "1"]
     assert all(r["backend"] == "gloo" and r["threads"] == 1 and r["sum"] == 30.0 for r in results)
+    assert [r["tensor"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
 
 
 def test_exception_on_one_rank_is_reraised_with_rank_and_traceback():
