@@ -23,6 +23,14 @@ from megatron_patches import cuda_runtime, tensor_type_names
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only behaviour")
 
 
+@pytest.fixture(autouse=True)
+def unpatched_process():
+    """These tests need a pytest process where nobody applied the patches (run megatron work
+    through megarl.testing.dist.run_distributed, which applies them in the ranks)."""
+    if patches_applied() or megatron_patches.mode_active_on_this_thread():
+        pytest.skip("another test applied the CPU patches in the pytest process itself")
+
+
 def test_installed_megatron_core_version_is_a_tested_one():
     assert installed_mcore_version() in TESTED_MCORE_VERSIONS
 
