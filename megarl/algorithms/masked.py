@@ -37,7 +37,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def whiten_zeroed(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`masked_whiten` of x that is already 0 off the mask; weight is the mask in x's dtype."""
-    count = weight.sum(dtype=torch.float64).clamp(min=1)
+    count = torch.count_nonzero(weight).clamp(min=1)                 # exact for any size
     centered = (x - x.sum() / count).mul_(weight)
     flat = centered.view(-1)
     var = torch.dot(flat, flat) / (count - 1).clamp(min=1)
