@@ -10,6 +10,7 @@ import os
 import sys
 
 from megarl.models.layout import ParallelLayout
+from megarl.utils.distributed import RankError
 
 _USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
     except _USER_ERRORS as err:
         print(f"megarl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RankError as err:  # the rank's traceback only when asked for: the message names the problem
+        detail = err.remote_traceback if os.environ.get("MEGARL_DEBUG") else f"{err.exc_type}: {err.remote_message}"
+        print(f"megarl {args.command}: error on rank {err.rank}: {detail}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -102,7 +103,7 @@ def run_plan(fn, plan: ConversionPlan):
     if distributed.in_launched_world():
         distributed.init_process_group_from_env()
         return fn(plan)
-    return distributed.spawn(fn, plan.world_size, plan)[0]
+    return distributed.run_distributed(fn, plan.world_size, plan)[0]
 
 
 def hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
@@ -196,8 +197,10 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
     try:
         bridge, chunks, tp_rank, pp_rank = _build(plan, plan.src)
         n_params = sum(1 for c in chunks for _ in c.parameters())
+        start = time.perf_counter()
         with _progress(n_params, "hf→mcore") as bar:
             bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, progress=lambda _: bar.update())
+        loaded = time.perf_counter()
         staging = _shared_staging(Path(plan.dst))
         dist_checkpointing.save(sharded_model_state(chunks), str(staging))
         meta = {"format_version": FORMAT_VERSION, "kind": "model", "model_type": bridge.dims.model_type,
@@ -205,7 +208,7 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         if torch.distributed.get_rank() == 0:
             _copy_side_files(Path(plan.src), staging / "hf")
         _publish(staging, plan, meta)
-        return meta
+        return {**meta, "seconds": {"load": loaded - start, "save": time.perf_counter() - loaded}}
     except BaseException:
         _cleanup_on_error(staging)
         raise

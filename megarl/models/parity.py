@@ -86,14 +86,14 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
                       atol: float = 1e-4, seed: int = 0) -> list[ParityResult]:
     """Run megatron (one spawned world of tp*pp ranks for all models) and transformers on the same tokens."""
     from megarl.models.hf_config import describe_hf_config, load_hf_config
-    from megarl.utils.distributed import spawn
+    from megarl.utils.distributed import run_distributed
 
     all_dims = [describe_hf_config(load_hf_config(p)) for p in hf_paths]
     for dims in all_dims:  # fail here, not in the spawned ranks
         layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
     vocab = min(dims.vocab_size for dims in all_dims)
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    per_rank = spawn(parity_rank, layout.tp * layout.pp, [str(p) for p in hf_paths], layout, tokens)
+    per_rank = run_distributed(parity_rank, layout.tp * layout.pp, [str(p) for p in hf_paths], layout, tokens)
     results = []
     for i, hf_path in enumerate(hf_paths):
         ours = next(r[i] for r in per_rank if r[i] is not None)

@@ -1,19 +1,56 @@
-"""Starting gloo/NCCL worlds for the SPMD tools (conversion, parity, evaluation).
+"""Run a function on N local ranks: `run_distributed(fn, world_size, *args)`, and torchrun helpers.
 
-Owns: `in_launched_world` (are we under torchrun?), `init_process_group_from_env`, and `spawn`,
-which runs a function on N local ranks when a tool is started as a single process. Megatron's
-model-parallel state is initialised by the callers (`megarl.models.runtime`).
+Used by the SPMD tools (conversion, parity) when started as a single process, and by the tests.
+Each rank is a fresh process (start method "forkserver" by default, "spawn" allowed) with
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set, the process group
+initialised (gloo on CPU, NCCL on GPU), `torch.set_num_threads(num_threads)` when given and
+`megatron_patches.apply_cpu_patches()` applied (a no-op with CUDA). `fn(*args, **kwargs)` runs on
+every rank; the parent gets the list of return values ordered by rank (they must be picklable).
+An exception on any rank is re-raised in the parent as `RankError` naming the rank and carrying
+its traceback; ranks still running after `timeout` seconds (or a few seconds after another rank
+failed) are killed.
+
+`fn` must be importable by name in a fresh process: define it at module top level, not as a
+lambda or closure. With forkserver, env variables a module reads at import time are those of the
+first call (the server preloads torch and megatron.core once); use start_method="spawn" otherwise.
+
+Owns: process launch, rendezvous, result/exception transport. Must not import megatron at module
+level (apply_cpu_patches imports it inside the ranks).
 """
 from __future__ import annotations
 
+import io
 import os
+import queue
 import socket
+import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Seconds the parent waits for the other ranks once one rank has failed (they are usually stuck
+# in a collective waiting for it).
+FAILURE_GRACE_S = 5.0
+
+
+class RankError(RuntimeError):
+    """An exception raised on one rank of run_distributed, with that rank's traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n--- traceback of rank {rank} ---\n{tb}")
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_message = message
+        self.remote_traceback = tb
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def in_launched_world() -> bool:
@@ -21,55 +58,164 @@ def in_launched_world() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_process_group_from_env() -> None:
-    """Initialise torch.distributed from torchrun's env (idempotent); pins the local GPU when present."""
+    """Initialise torch.distributed from the env (idempotent): NCCL and the local GPU when CUDA exists, else gloo."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend())
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Imported once by the forkserver so that ranks start without paying for them (megatron.core
+# only where installed; the forkserver skips modules it cannot import).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron_patches", "megatron.core",
+                       "megatron.core.models.gpt"]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _dumps(value: Any) -> bytes:
+    """Serialise a rank's result in the rank, so a bad value fails there with a traceback.
+
+    torch.save, not pickle: tensors go by value (torch's shared-memory queue reductions break when
+    a rank exits before the parent reads), and storages do not reference
+    megatron.core.safe_globals (importing megatron.core changes how plain pickle writes them,
+    which would make the parent import megatron, ~5 s, to read a result).
+    """
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs, results):
+    import torch.distributed as dist
+
     try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if apply_patches:
+            from megatron_patches import apply_cpu_patches
+
+            apply_cpu_patches()
         init_process_group_from_env()
-        results[rank] = ("ok", fn(*args))
-    except BaseException as err:  # reported to the parent, which re-raises
-        results[rank] = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-        raise SystemExit(1)
+        payload = _dumps(fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        # Report before tearing the group down: peers then fail with "connection closed", and the
+        # parent should see this rank's error first.
+        results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    else:
+        results.put((rank, True, payload))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class SpawnError(RuntimeError):
-    """A spawned rank failed; the message carries its rank and traceback."""
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: Optional[float] = None,
+    num_threads: Optional[int] = None,
+    apply_patches: bool = True,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> List[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
+
+    Raises RankError (the failing rank, with its traceback) if a rank raises or dies
+    without reporting (exc_type "ProcessDied"), TimeoutError after `timeout` seconds (None: no limit).
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Effective only before the server starts (the first forkserver call of this process).
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    results = ctx.Queue()
+    port = free_port()
+    env = dict(os.environ)
+    procs = [
+        ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
+                    args=(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs,
+                          results))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    finished = False
+    try:
+        values = _collect(procs, results, world_size, timeout)
+        finished = True
+        return values
+    finally:
+        _stop(procs, grace=2.0 if finished else 0.0)
+        results.close()
 
 
-def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Run `fn(*args)` on `world_size` local ranks (spawned processes) and return every rank's result."""
-    with mp.get_context("spawn").Manager() as manager:
-        shared = manager.dict()
+def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
+    deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+    values: dict[int, Any] = {}
+    failures: list[RankError] = []
+    failure = None  # (first failure, when it arrived)
+    while len(values) < world_size:
+        if failure is not None:
+            deadline = min(deadline, failure[1] + FAILURE_GRACE_S)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
         try:
-            mp.start_processes(_entry, args=(world_size, free_port(), fn, args, shared), nprocs=world_size,
-                               join=True, start_method="spawn")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            pass  # the failing rank's traceback is in `shared`
-        results = dict(shared)
-    failures = {r: v[1] for r, v in results.items() if v[0] == "error"}
-    if failures or len(results) < world_size:
-        rank = min(failures, default="?")
-        raise SpawnError(f"rank {rank} of {world_size} failed:\n{failures.get(rank, 'exited without a result')}")
-    return [results[r][1] for r in range(world_size)]
+            rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            for rank, proc in enumerate(procs):
+                if proc.exitcode not in (None, 0) and rank not in values:
+                    values[rank] = None
+                    failures.append(RankError(
+                        rank, "ProcessDied", f"exit code {proc.exitcode} before reporting a result", ""))
+                    failure = failure or (failures[-1], time.monotonic())
+            continue
+        if ok:
+            values[rank] = _loads(payload)
+            continue
+        values[rank] = None
+        failures.append(RankError(rank, *payload))
+        if failure is None:
+            failure = (failures[0], time.monotonic())
+    if failure is not None:
+        raise _root_cause(failures)
+    if len(values) < world_size:
+        missing = sorted(set(range(world_size)) - set(values))
+        raise TimeoutError(f"run_distributed: ranks {missing} did not finish within {timeout:.0f} s "
+                           f"(killed)")
+    return [values[r] for r in range(world_size)]
+
+
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "gloo/transport")
+
+
+def _root_cause(failures: List[RankError]) -> RankError:
+    """The failure to report: the first one that is not just a peer noticing another rank died."""
+    primary = next((f for f in failures
+                    if not any(m in f.remote_message for m in _PEER_LOSS_MARKERS)), failures[0])
+    others = sorted(f.rank for f in failures if f is not primary)
+    if others:
+        primary.args = (primary.args[0] + f"\n(ranks {others} failed too)",)
+    return primary
+
+
+def _stop(procs, grace: float) -> None:
+    """Join ranks that are exiting on their own (up to `grace` s), then kill the rest."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)

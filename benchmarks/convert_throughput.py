@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Conversion throughput: HF → megatron-core (and back) bytes/s vs a plain read+write of the same bytes.
+
+    python benchmarks/convert_throughput.py                 # ~120M-param Llama, TP1 and TP2
+    python benchmarks/convert_throughput.py --quick         # small model, seconds
+
+The baseline reads every tensor of the HF safetensors file and writes them to a new safetensors
+file (the least work any conversion must do). The ratio `convert / baseline` (≤ 1; higher is
+better) is printed for the weight-moving phase of the conversion (inside the ranks: HF read +
+reshard + megatron save) and for the whole command (with process start-up and imports).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from megarl.models.convert import hf_to_mcore, mcore_to_hf
+from megarl.models.layout import ParallelLayout
+from megarl.testing.models import save_tiny_hf_model
+
+
+def baseline_seconds(hf_dir: Path, out: Path) -> float:
+    start = time.perf_counter()
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    save_file(tensors, str(out / "copy.safetensors"))
+    return time.perf_counter() - start
+
+
+def model_bytes(hf_dir: Path) -> int:
+    return sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--layouts", default="1x1,2x1", help="comma-separated TPxPP layouts")
+    args = parser.parse_args()
+    size = (dict(hidden_size=128, num_layers=2, intermediate_size=256, vocab_size=1000) if args.quick else
+             dict(hidden_size=768, num_layers=12, intermediate_size=2048, vocab_size=32000))
+    root = Path(tempfile.mkdtemp(prefix="megarl_bench_"))
+    try:
+        hf_dir = root / "hf"
+        save_tiny_hf_model("llama", hf_dir, num_heads=12 if not args.quick else 4,
+                           num_kv_heads=4 if not args.quick else 2, **size)
+        nbytes = model_bytes(hf_dir)
+        base = min(baseline_seconds(hf_dir, root) for _ in range(2))
+        print(f"model: {nbytes / 2**20:.1f} MiB fp32 safetensors; baseline read+write {nbytes / base / 2**20:.1f} MiB/s")
+        for spec in args.layouts.split(","):
+            tp, pp = (int(x) for x in spec.split("x"))
+            layout = ParallelLayout(tp=tp, pp=pp)
+            start = time.perf_counter()
+            meta = hf_to_mcore(hf_dir, root / f"mcore_{spec}", layout)
+            wall = time.perf_counter() - start
+            inner = meta["seconds"]["load"] + meta["seconds"]["save"]
+            start = time.perf_counter()
+            mcore_to_hf(root / f"mcore_{spec}", root / f"back_{spec}")
+            back = time.perf_counter() - start
+            print(f"tp={tp} pp={pp}: hf→mcore weights phase {nbytes / inner / 2**20:.1f} MiB/s "
+                  f"(ratio vs baseline {base / inner:.2f}), whole command {wall:.1f}s (ratio {base / wall:.2f}); "
+                  f"mcore→hf whole command {back:.1f}s (ratio {base / back:.2f})")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
