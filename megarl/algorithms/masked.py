@@ -1,5 +1,5 @@
-"""Masked tensor helpers shared by the algorithms: zeroing padding, masked mean/variance/whitening,
-and group ids → dense group codes.
+"""Masked tensor helpers shared by the algorithms: zeroing padding, masked sum/mean/whitening,
+group ids → dense group codes, and per-group statistics.
 
 Padding is never trusted: `zero_masked` uses `torch.where`, so NaN or inf in masked positions
 cannot leak into a result or its gradient. Imports only torch and numpy.
