@@ -5,13 +5,14 @@
     python benchmarks/convert_throughput.py --quick         # small model, seconds
 
 The baseline reads every tensor of the HF safetensors file and writes them to a new safetensors
-file (the least work any conversion must do). The ratio `convert / baseline` (≤ 1; higher is
+file, fsynced (the least work any durable conversion must do). The ratio `convert / baseline` (≤ 1; higher is
 better) is printed for the weight-moving phase of the conversion (inside the ranks: HF read +
 reshard + megatron save) and for the whole command (with process start-up and imports).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -25,11 +26,15 @@ from megarl.testing.models import save_tiny_hf_model
 
 
 def baseline_seconds(hf_dir: Path, out: Path) -> float:
+    """Read every tensor, write them to one new safetensors file, fsync it (a checkpoint must be durable)."""
     start = time.perf_counter()
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
-    save_file(tensors, str(out / "copy.safetensors"))
+    target = out / "copy.safetensors"
+    save_file(tensors, str(target))
+    with open(target, "rb+") as handle:
+        os.fsync(handle.fileno())
     return time.perf_counter() - start
 
 
@@ -62,9 +67,11 @@ def main() -> None:
             start = time.perf_counter()
             mcore_to_hf(root / f"mcore_{spec}", root / f"back_{spec}")
             back = time.perf_counter() - start
-            print(f"tp={tp} pp={pp}: hf→mcore weights phase {nbytes / inner / 2**20:.1f} MiB/s "
-                  f"(ratio vs baseline {base / inner:.2f}), whole command {wall:.1f}s (ratio {base / wall:.2f}); "
-                  f"mcore→hf whole command {back:.1f}s (ratio {base / back:.2f})")
+            load, save = meta["seconds"]["load"], meta["seconds"]["save"]
+            print(f"tp={tp} pp={pp}: hf→mcore weights phase {nbytes / inner / 2**20:.1f} MiB/s, ratio vs baseline"
+                  f" {base / inner:.2f} (HF read+reshard {load:.2f}s, megatron torch_dist save {save:.2f}s);"
+                  f" whole command {wall:.1f}s (ratio {base / wall:.2f}); mcore→hf whole command {back:.1f}s"
+                  f" (ratio {base / back:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -74,6 +74,11 @@ class ModelBridge:
             if progress:
                 progress(mapping.mcore)
 
+    def count_hf_tensors(self, chunks, pp_rank: int = 0) -> int:
+        """How many tensors `iter_hf_weights` yields for these chunks."""
+        return sum(len(self.weight_map.lookup(name, offset).hf) for name, _, offset in self._chunk_params(chunks, pp_rank)
+                   if not self.weight_map.is_tied_copy(name))
+
     def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of this pipeline stage; TP shards are gathered one parameter at a time."""
         for name, param, offset in self._chunk_params(chunks, pp_rank):

@@ -1,0 +1,1 @@
+"""Small shared utilities: multi-rank launch (`distributed`) and atomic directories (`atomic`)."""
