@@ -25,14 +25,15 @@ def _prompt(content: str, chat: bool) -> str | list[dict[str, str]]:
 def make_arithmetic_dataset(
     n: int,
     seed: int = 0,
-    max_operand: int = 9,
+    max_operand: int = 4,
     ops: tuple[str, ...] = ("+",),
     chat: bool = True,
 ) -> list[dict[str, Any]]:
     """`n` problems "a+b=" with operands in [0, max_operand]; the answer is the integer, as digits.
 
-    The defaults (single-digit addition, answers 0-18) are learnable from scratch by a 2-layer
-    model; `max_operand=99` or `ops=("+", "-", "*")` make it harder.
+    The default (sums 0-8, one digit) is what a 2-layer, hidden-64 model learnt from scratch with
+    GRPO on CPU in a few hundred steps (fastest with raw prompts, `chat=False`); `max_operand=9`
+    (two-digit sums), `ops=("+", "-", "*")` or larger operands make it harder.
     """
     bad = [op for op in ops if op not in ARITHMETIC_OPS]
     if bad or not ops:

@@ -44,7 +44,8 @@ class RewardConfig:
     failure_score: float = 0.0
     """Score recorded for a sample whose reward fn raised or timed out."""
     start_method: str = "spawn"
-    """multiprocessing start method of the pool (`spawn` is safe beside threads and CUDA)."""
+    """multiprocessing start method of the pool (`spawn`, safe beside threads and CUDA, needs the
+    entry script's `if __name__ == "__main__":` guard)."""
 
     def __post_init__(self):
         if self.num_workers < 0:

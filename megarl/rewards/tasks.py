@@ -1,8 +1,8 @@
 """Rewards of the generated tasks in `megarl.data.tasks`: `arithmetic` and `countdown`.
 
-Both are shaped so a tiny model trained from scratch gets a learning signal: a correct answer
-scores 1.0, a wrong arithmetic answer partial credit by its closeness, a parseable but wrong
-countdown equation `format_score` (from `extra`, default 0.1). The countdown
+Both give a tiny model trained from scratch a signal it can climb: an arithmetic answer counts
+when it is the last integer of the response (a clean bare answer scores a little more), and a
+parseable but wrong countdown equation earns `format_score` (from `extra`, default 0.1). The countdown
 equation is evaluated with exact fractions by walking its AST (never `eval`). Pure Python.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fractions import Fraction
 from megarl.rewards.registry import register_reward
 
 DEFAULT_FORMAT_SCORE = 0.1
-DEFAULT_PARTIAL_CREDIT = 0.5
+DEFAULT_VERBOSE_PENALTY = 0.1
 _INT = re.compile(r"-?\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _EQUATION_CHARS = re.compile(r"[\d+\-*/() .]+")
@@ -30,20 +30,19 @@ def _format_score(extra: dict | None) -> float:
 
 @register_reward("arithmetic")
 def arithmetic_reward(solution_str: str, ground_truth: str, extra: dict) -> dict:
-    """1.0 when the last integer of the response is the answer. A response that is a bare but
-    wrong integer earns `extra["partial_credit"]` (default 0.5) scaled by its closeness,
-    max(0, 1 - |pred - answer| / max(10, |answer|)); anything else 0.0.
+    """1.0 when the response is exactly the answer; 1.0 - `extra["verbose_penalty"]` (default 0.1)
+    when the answer is its last integer amid other text; 0.0 for any wrong answer.
 
-    The closeness term is what lets a tiny model learn from scratch: a flat format bonus is
-    hacked into endless digit strings ("6666"), while closeness also rewards stopping early.
+    Wrong answers get nothing on purpose: in a GRPO check with a tiny model trained from scratch,
+    a flat format bonus was hacked into endless digit strings ("6666"), and partial credit by
+    closeness collapsed the policy onto the most common answer; with this reward it learnt.
     """
     response, answer = solution_str.strip(), int(str(ground_truth).strip())
     numbers = _INT.findall(response)
     correct = bool(numbers) and int(numbers[-1]) == answer
-    score = 1.0 if correct else 0.0
-    if not correct and _INT.fullmatch(response):
-        closeness = max(0.0, 1.0 - abs(int(response) - answer) / max(10, abs(answer)))
-        score = float((extra or {}).get("partial_credit", DEFAULT_PARTIAL_CREDIT)) * closeness
+    clean = _INT.fullmatch(response) is not None
+    penalty = float((extra or {}).get("verbose_penalty", DEFAULT_VERBOSE_PENALTY))
+    score = (1.0 if clean else 1.0 - penalty) if correct else 0.0
     return {"score": score, "acc": float(correct)}
 
 

@@ -19,7 +19,7 @@ def test_arithmetic_rows_have_prompt_ground_truth_and_data_source():
     for r in rows:
         a, b = r["extra_info"]["a"], r["extra_info"]["b"]
         assert r["prompt"] == [{"role": "user", "content": f"{a}+{b}="}]
-        assert r["ground_truth"] == str(a + b) and 0 <= a <= 9 and 0 <= b <= 9
+        assert r["ground_truth"] == str(a + b) and 0 <= a <= 4 and 0 <= b <= 4
 
 
 def test_arithmetic_generation_is_deterministic_in_seed():
@@ -37,18 +37,17 @@ def test_arithmetic_other_ops_and_raw_prompts():
 
 
 @pytest.mark.parametrize("response,score,acc", [
-    ("7", 1.0, 1.0), (" 7\n", 1.0, 1.0), ("3+4=7", 1.0, 1.0),
-    ("8", 0.45, 0.0), ("2", 0.25, 0.0), ("6666", 0.0, 0.0),
-    ("seven", 0.0, 0.0), ("7 is it? no, 8", 0.0, 0.0), ("", 0.0, 0.0),
+    ("7", 1.0, 1.0), (" 7\n", 1.0, 1.0), ("3+4=7", 0.9, 1.0), ("The answer is 7.", 0.9, 1.0),
+    ("8", 0.0, 0.0), ("6666", 0.0, 0.0), ("seven", 0.0, 0.0), ("7 is it? no, 8", 0.0, 0.0), ("", 0.0, 0.0),
 ])
-def test_arithmetic_reward_correct_incorrect_and_closeness(response, score, acc):
+def test_arithmetic_reward_correct_incorrect_and_verbose(response, score, acc):
     out = get_reward_fn("arithmetic")(response, "7", {})
     assert out["score"] == pytest.approx(score) and out["acc"] == acc
 
 
-def test_arithmetic_reward_partial_credit_from_extra():
-    assert get_reward_fn("arithmetic")("8", "7", {"partial_credit": 0.0})["score"] == 0.0
-    assert get_reward_fn("arithmetic")("-8", "-7", {})["score"] == pytest.approx(0.45)
+def test_arithmetic_reward_verbose_penalty_from_extra_and_negative_answers():
+    assert get_reward_fn("arithmetic")("so 7", "7", {"verbose_penalty": 0.0})["score"] == 1.0
+    assert get_reward_fn("arithmetic")("-8", "-8", {})["score"] == 1.0
 
 
 def test_countdown_every_generated_solution_scores_one():
