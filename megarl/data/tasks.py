@@ -84,21 +84,23 @@ def make_countdown_dataset(
     rows: list[dict[str, Any]] = []
     while len(rows) < n:
         problem = _countdown_problem(rng, num_numbers, max_number, max_target)
-        if problem is None:
-            continue
-        numbers, equation, target = problem
-        content = (
-            f"Using the numbers {numbers}, write an equation that equals {target}. "
-            "Use each number exactly once, with + - * / and parentheses. "
-            "Give the equation in <answer></answer>."
-        )
-        rows.append({
-            "prompt": _prompt(content, chat),
-            "ground_truth": json.dumps({"target": target, "numbers": numbers}),
-            "data_source": "countdown",
-            "extra_info": {"index": len(rows), "solution": equation},
-        })
+        if problem is not None:
+            rows.append(_countdown_row(*problem, index=len(rows), chat=chat))
     return rows
+
+
+def _countdown_row(numbers: list[int], equation: str, target: int, index: int, chat: bool) -> dict[str, Any]:
+    content = (
+        f"Using the numbers {numbers}, write an equation that equals {target}. "
+        "Use each number exactly once, with + - * / and parentheses. "
+        "Give the equation in <answer></answer>."
+    )
+    return {
+        "prompt": _prompt(content, chat),
+        "ground_truth": json.dumps({"target": target, "numbers": numbers}),
+        "data_source": "countdown",
+        "extra_info": {"index": index, "solution": equation},
+    }
 
 
 def _countdown_problem(rng: random.Random, num_numbers: int, max_number: int, max_target: int):

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 from megarl.rewards import get_reward_fn, list_rewards, normalize_result, register_reward
