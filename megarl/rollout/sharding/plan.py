@@ -1,0 +1,230 @@
+"""The sharding planner: training-layout parameter metadata in, ordered buckets of HF tensors out.
+
+Pure (torch + `megarl.models.mapping` only; no process groups, no megatron): it never touches
+parameter values, so it is tested on CPU with made-up metadata and every transport
+(`transport.py`, `broadcast.py`, `ipc.py`) moves bytes by the same plan.
+
+Input: one `ParamMeta` per megatron parameter of one TP rank of every pipeline stage (shapes are
+the local TP shard; all TP ranks of a stage hold the same shapes), plus the TP size and the
+model's `WeightMap`. Output: a `SyncPlan`, a list of `Bucket`s in HF order. A bucket holds the
+parameters of one pipeline stage, one dtype, and one kind:
+
+* sharded buckets: every TP rank packs its shards into one flat buffer and the stage gathers them
+  with a single collective; the receiver cuts each parameter's shards out, `Mapping.unshard`s
+  them (QKV per query group, fc1 [gate; up] per shard, row-parallel on dim 1, vocab rows) and
+  converts to HF (`Mapping.to_hf`, which drops vocab padding and splits QKV / gate-up);
+* replicated buckets (norms, a value head): taken from the stage's first TP rank as they are.
+
+A bucket's size is the bytes of its gathered parameters; the planner closes a bucket before it
+would exceed `bucket_bytes` (one parameter larger than the bound gets a bucket of its own).
+The last stage's copy of tied embeddings is never planned (the first stage's embedding is the
+HF tensor). Virtual pipeline stages are separate chunks of the same stage: their layer offsets
+make the HF layer numbers global.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from megarl.models.mapping import Mapping, WeightMap
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One megatron parameter of one model chunk, as one TP rank holds it."""
+
+    name: str
+    """Chunk-local megatron name (wrappers like `module.` allowed; layer numbers local to the chunk)."""
+    shape: tuple[int, ...]
+    """Shape of this TP rank's shard."""
+    dtype: str
+    """torch dtype name without the `torch.` prefix, e.g. "float32"."""
+    pp_rank: int
+    vp_stage: int
+    """Index of the chunk on its pipeline rank (0 without virtual stages)."""
+    layer_offset: int
+    """Global index of the chunk's first transformer layer."""
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """One HF tensor the rollout engine receives."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class PlannedParam:
+    """A megatron parameter inside a bucket: where its shard sits in each TP rank's flat buffer."""
+
+    meta: ParamMeta
+    mapping: Mapping
+    hf: tuple[HFSpec, ...]
+    offset: int
+    """Element offset of the shard in the bucket's per-rank buffer."""
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.meta.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters of one pipeline stage and dtype, moved together with one collective."""
+
+    index: int
+    pp_rank: int
+    dtype: torch.dtype
+    sharded: bool
+    """True: gather TP shards (one collective); False: replicated, read from the first TP rank."""
+    params: tuple[PlannedParam, ...]
+    tp_size: int
+
+    @property
+    def local_numel(self) -> int:
+        """Elements one TP rank packs."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements after the TP gather (what the receiver holds)."""
+        return self.local_numel * (self.tp_size if self.sharded else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gathered_numel * _itemsize(self.dtype)
+
+    @property
+    def hf(self) -> list[HFSpec]:
+        return [spec for p in self.params for spec in p.hf]
+
+
+@dataclass
+class SyncPlan:
+    """Ordered buckets covering every HF tensor of the model exactly once."""
+
+    buckets: list[Bucket]
+    tp_size: int
+    pp_size: int
+    bucket_bytes: int
+    _specs: list[HFSpec] = field(default=None, repr=False)
+
+    def hf_specs(self) -> list[HFSpec]:
+        """Every HF tensor (name, shape, dtype) in transfer order — what the engine validates up front."""
+        if self._specs is None:
+            self._specs = [spec for bucket in self.buckets for spec in bucket.hf]
+        return self._specs
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def buckets_of_stage(self, pp_rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.pp_rank == pp_rank]
+
+
+class PlanError(ValueError):
+    """The training-layout metadata does not describe the model the weight map knows."""
+
+
+def plan_sync(metas: Iterable[ParamMeta], weight_map: WeightMap, *, tp_size: int, pp_size: int,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+    """Buckets (≤ `bucket_bytes` gathered bytes each) of HF tensors for one full model, in HF order."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
+    planned = _planned_params(metas, weight_map, tp_size)
+    _check_complete(planned, weight_map)
+    buckets: list[Bucket] = []
+    for pp_rank in range(pp_size):
+        stage = [p for p in planned if p.meta.pp_rank == pp_rank]
+        buckets.extend(_pack_stage(stage, pp_rank, tp_size, bucket_bytes, first_index=len(buckets)))
+    return SyncPlan(buckets, tp_size, pp_size, bucket_bytes)
+
+
+def _planned_params(metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: int) -> list[PlannedParam]:
+    """(mapping, HF specs) for every exported parameter, sorted into HF order (by global layer)."""
+    order = {name: i for i, name in enumerate(weight_map.hf_names())}
+    out = []
+    for meta in metas:
+        if weight_map.is_tied_copy(meta.name):
+            continue
+        mapping = weight_map.lookup(meta.name, meta.layer_offset)
+        out.append(PlannedParam(meta, mapping, _hf_specs(meta, mapping, weight_map, tp_size), offset=0))
+    return sorted(out, key=lambda p: order[p.mapping.hf[0]])
+
+
+def _hf_specs(meta: ParamMeta, mapping: Mapping, weight_map: WeightMap, tp_size: int) -> tuple[HFSpec, ...]:
+    """Shapes of the HF tensors, computed by running the real unshard/to_hf on meta tensors."""
+    dtype = getattr(torch, meta.dtype)
+    shard = torch.empty(meta.shape, dtype=dtype, device="meta")
+    shards = [shard] * (tp_size if mapping.tp_dim is not None else 1)
+    full = mapping.unshard(shards)
+    return tuple(HFSpec(n, tuple(t.shape), dtype) for n, t in zip(mapping.hf, mapping.to_hf(full, weight_map.dims)))
+
+
+def _check_complete(planned: Sequence[PlannedParam], weight_map: WeightMap) -> None:
+    seen: dict[str, ParamMeta] = {}
+    for p in planned:
+        for spec in p.hf:
+            if spec.name in seen:
+                raise PlanError(f"HF tensor {spec.name} is produced twice (by {seen[spec.name]} and {p.meta});"
+                                " are two ranks reporting the same pipeline stage?")
+            seen[spec.name] = p.meta
+    missing = [n for n in weight_map.hf_names() if n not in seen]
+    if missing:
+        raise PlanError(f"no training rank holds {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                        f" ({len(missing)} HF tensors); metadata from every pipeline stage is needed")
+
+
+def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_bytes: int,
+                first_index: int) -> list[Bucket]:
+    """Greedy packing in HF order; one open bucket per (dtype, sharded) kind."""
+    closed: list[tuple[int, Bucket]] = []
+    open_: dict[tuple[torch.dtype, bool], list[PlannedParam]] = {}
+    order_of = {}
+
+    def close(key):
+        members = open_.pop(key)
+        closed.append((order_of.pop(key), _bucket(members, pp_rank, key, tp_size)))
+
+    for position, param in enumerate(params):
+        sharded = param.mapping.tp_dim is not None and tp_size > 1
+        key = (param.hf[0].dtype, sharded)
+        gathered = param.numel * (tp_size if sharded else 1) * _itemsize(key[0])
+        current = open_.get(key, [])
+        current_bytes = sum(p.numel for p in current) * (tp_size if sharded else 1) * _itemsize(key[0])
+        if current and current_bytes + gathered > bucket_bytes:
+            close(key)
+        open_.setdefault(key, []).append(param)
+        order_of.setdefault(key, position)
+    for key in list(open_):
+        close(key)
+    closed.sort(key=lambda item: item[0])
+    return [Bucket(first_index + i, b.pp_rank, b.dtype, b.sharded, b.params, b.tp_size)
+            for i, (_, b) in enumerate(closed)]
+
+
+def _bucket(members: list[PlannedParam], pp_rank: int, key, tp_size: int) -> Bucket:
+    dtype, sharded = key
+    placed, offset = [], 0
+    for p in members:
+        placed.append(PlannedParam(p.meta, p.mapping, p.hf, offset))
+        offset += p.numel
+    return Bucket(0, pp_rank, dtype, sharded, tuple(placed), tp_size)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

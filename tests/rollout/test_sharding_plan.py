@@ -1,0 +1,109 @@
+"""The sharding planner (pure): buckets respect the bound, every HF tensor appears exactly once."""
+import pytest
+import torch
+
+from megarl.models.hf_config import describe_hf_config
+from megarl.models.mapping import WeightMap, padded_vocab_size
+from megarl.rollout.sharding.plan import ParamMeta, PlanError, plan_sync
+from megarl.rollout.sharding.transport import pack_bucket, unpack_bucket
+from megarl.testing.models import tiny_hf_config
+
+
+def fake_training_layout(config, tp, pp, vpp=1, rank=0, value=None):
+    """ParamMeta of TP rank `rank` on every stage, and the local shards made from HF tensors `value`."""
+    dims = describe_hf_config(config)
+    wmap = WeightMap(dims)
+    padded = padded_vocab_size(dims.vocab_size, tp)
+    per_chunk = dims.num_layers // (pp * vpp)
+    metas, local = [], {}
+    for mapping in wmap.all_mappings():
+        hf = [value[n] if value else torch.empty(_hf_shape(n, dims), device="meta") for n in mapping.hf]
+        shard = mapping.shard(mapping.to_mcore(hf, dims, padded), rank, tp)
+        name = mapping.mcore
+        if name.startswith("decoder.layers."):
+            layer = int(name.split(".")[2])
+            chunk = layer // per_chunk
+            pp_rank, vp = chunk % pp, chunk // pp
+            name = name.replace(f"layers.{layer}.", f"layers.{layer - chunk * per_chunk}.")
+        elif name.startswith("embedding"):
+            pp_rank, vp = 0, 0
+        else:
+            pp_rank, vp = pp - 1, vpp - 1
+        metas.append(ParamMeta(name, tuple(shard.shape), "float32", pp_rank, vp, (vp * pp + pp_rank) * per_chunk))
+        local[(pp_rank, vp, name)] = shard
+    if dims.tie_word_embeddings:  # the last stage's copy, which must never be exported
+        emb = next(m for m in metas if m.name.startswith("embedding"))
+        metas.append(ParamMeta("output_layer.weight", emb.shape, "float32", pp - 1, vpp - 1, 0))
+    return wmap, metas, local
+
+
+def _hf_shape(name, dims):
+    return _shapes(dims)[name]
+
+
+def _shapes(dims):
+    """HF tensor shapes of the tiny config (a meta-device `transformers` model; no memory)."""
+    if dims not in _CACHE:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_CONFIGS[dims.model_type])
+        _CACHE[dims] = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    return _CACHE[dims]
+
+
+_CACHE = {}
+_CONFIGS = {arch: tiny_hf_config(arch, num_layers=4) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tp,pp,vpp", [(1, 1, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)])
+def test_every_hf_tensor_planned_exactly_once_with_hf_shapes(arch, tp, pp, vpp):
+    wmap, metas, _ = fake_training_layout(_CONFIGS[arch], tp, pp, vpp)
+    plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=40_000)
+    names = [s.name for s in plan.hf_specs()]
+    assert sorted(names) == sorted(wmap.hf_names())
+    assert len(names) == len(set(names))
+    shapes = _shapes(wmap.dims)
+    assert {s.name: s.shape for s in plan.hf_specs()} == {n: shapes[n] for n in names}
+    assert "lm_head.weight" not in names if _CONFIGS[arch].tie_word_embeddings else "lm_head.weight" in names
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 10_000, 100_000, 1 << 30])
+def test_buckets_respect_the_size_bound(bucket_bytes):
+    wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 2, 2)
+    plan = plan_sync(metas, wmap, tp_size=2, pp_size=2, bucket_bytes=bucket_bytes)
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= bucket_bytes or len(bucket.params) == 1
+        assert len({(p.meta.pp_rank) for p in bucket.params}) == 1
+    if bucket_bytes == 1 << 30:  # one bucket per stage and kind (sharded / replicated)
+        assert len(plan.buckets) <= 4
+    assert sum(b.nbytes for b in plan.buckets) == plan.total_bytes
+
+
+def test_pack_then_unpack_reproduces_hf_tensors_tp2_pp2_vpp2():
+    """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack."""
+    config = tiny_hf_config("qwen2", num_layers=4)
+    torch.manual_seed(0)
+    hf = {n: torch.randn(s) for n, s in _shapes(describe_hf_config(config)).items() if n != "lm_head.weight"}
+    tp, pp, vpp = 2, 2, 2
+    layouts = [fake_training_layout(config, tp, pp, vpp, rank=r, value=hf) for r in range(tp)]
+    wmap, metas, _ = layouts[0]
+    plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=20_000)
+    got = {}
+    for bucket in plan.buckets:
+        packed = []
+        for _, _, local in layouts:
+            params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
+            packed.append(pack_bucket(bucket, params))
+        gathered = torch.cat(packed) if bucket.sharded else packed[0]
+        got.update(unpack_bucket(bucket, gathered, wmap.dims))
+    assert got.keys() == hf.keys()
+    for name in hf:
+        assert torch.equal(got[name], hf[name]), name
+
+
+def test_missing_stage_metadata_is_a_clear_error():
+    wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 1, 2)
+    with pytest.raises(PlanError, match="every pipeline stage"):
+        plan_sync([m for m in metas if m.pp_rank == 0], wmap, tp_size=1, pp_size=2)
