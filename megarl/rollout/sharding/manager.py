@@ -139,6 +139,8 @@ class ShardingManager:
         to engine servers). Returns the engine's new version on rollout ranks, None elsewhere.
         """
         specs = self.hf_specs()
+        if sender is not None and self.is_rollout_rank:
+            sender.bind_plan(self.plan)
         self._agree(lambda: (engine or sender).check_update(specs) if self.is_rollout_rank else None)
         if not self.is_rollout_rank:
             for _ in self.iter_buckets():

@@ -1,0 +1,143 @@
+"""The vLLM rollout backend, in-process (`vllm.LLM`), with weights pushed in place.
+
+Owns: `VLLMEngine`. The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+set here unless the caller chose otherwise), so a colocated trainer rank, or an engine server
+(`server.py`), hands it a plain Python iterator of (HF name, tensor):
+`llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=...))` streams them into the
+model's own weight loaders (vLLM shards them for its TP), then the prefix cache is reset (cached
+KV belongs to the old weights). Updates are checked first against the HF checkpoint the engine
+was built from (safetensors headers: names and shapes), so a bad update loads nothing.
+
+Sleep/wake: on GPU `llm.sleep(level=1)` offloads weights and drops the KV cache around training
+(needs `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and
+both are no-ops apart from refusing requests while asleep. Multi-process vLLM (GPU, TP > 1)
+cannot take a local iterator; it loads buckets through CUDA IPC handles (`sharding/ipc.py`,
+`MegarlWorkerExtension`).
+
+Stop behaviour: `ignore_eos=True`, generation stops only at `SamplingParams.stop_token_ids` (put
+the EOS id there), so both backends and `transformers` agree on what ends a completion.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+
+WORKER_EXTENSION = "megarl.rollout.sharding.ipc.MegarlWorkerExtension"
+
+
+class VLLMEngine(RolloutEngine):
+    """`vllm.LLM` behind the rollout-engine API (CPU build in tests, CUDA in production)."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: Optional[int] = None,
+                 seed: int = 0, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+                 enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20, **llm_kwargs):
+        super().__init__()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.model_path = str(model_path)
+        self.on_gpu = torch.cuda.is_available()
+        kwargs = dict(model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+                      enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager)
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                          worker_extension_cls=WORKER_EXTENSION)
+        else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
+            kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self._expected = checkpoint_shapes(self.model_path)
+        self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+
+    def describe(self) -> str:
+        return f"vLLM ({Path(self.model_path).name})"
+
+    # -- weights ----------------------------------------------------------------------------
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        return self._expected
+
+    def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
+        if self._tied:
+            self.llm.collective_rpc(repack_tied_lm_head)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.on_gpu:
+            self.llm.sleep(level=1)
+        super().sleep()
+
+    def wake_up(self) -> None:
+        if self.on_gpu:
+            self.llm.wake_up()
+        super().wake_up()
+
+    # -- generation -------------------------------------------------------------------------
+    def _generate_requests(self, requests):
+        prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
+        outputs = self.llm.generate(prompts, [_vllm_params(p) for _, p in requests], use_tqdm=False)
+        return [[_completion(o, params.logprobs) for o in out.outputs]
+                for out, (_, params) in zip(outputs, requests)]
+
+    def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        from vllm import SamplingParams as VSamplingParams
+
+        params = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in sequences], params,
+                                    use_tqdm=False)
+        return [[pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+                for out, seq in zip(outputs, sequences)]
+
+
+def _vllm_params(params: SamplingParams):
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
+        logprobs=0 if params.logprobs else None, ignore_eos=True, detokenize=False,
+    )
+
+
+def _completion(output, with_logprobs: bool) -> Completion:
+    tokens = list(output.token_ids)
+    logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, tokens)] if with_logprobs else None
+    return Completion(tokens, logprobs, output.finish_reason or "length")
+
+
+def repack_tied_lm_head(worker) -> None:
+    """Worker-side (via `collective_rpc`): rebuild the lm_head's kernel weights after a reload.
+
+    With tied embeddings the checkpoint has no lm_head tensor, so vLLM 0.32's layer-wise reload
+    never processes the lm_head layer; on CPU that layer keeps a packed GEMM copy of the *old*
+    embedding (`dispatch_cpu_unquantized_gemm`) and the logits come from stale weights. Re-running
+    the layer's `process_weights_after_loading` repacks it from the (already updated, shared)
+    weight. Harmless where nothing is packed (CUDA).
+    """
+    lm_head = getattr(worker.get_model(), "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF name → shape of every tensor in a safetensors checkpoint, from the headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    shapes = {}
+    for filename in files:
+        with safe_open(str(path / filename), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes

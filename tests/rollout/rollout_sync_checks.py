@@ -1,0 +1,110 @@
+"""Shared pieces of the weight-sync tests: the megatron actor side (run in gloo ranks) and the checks.
+
+Importable by name in spawned ranks (pytest puts this folder on sys.path, and ranks inherit it).
+"""
+import torch
+
+PROMPTS = [[1, 5, 9, 13], [1, 40, 41], [1, 7, 7, 7, 7, 20]]
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+def fixed_sequences(vocab=96, n=4, length=20):
+    """Token sequences scored by engine and actor (n a multiple of PP for interleaved schedules)."""
+    return torch.randint(3, vocab, (n, length), generator=torch.Generator().manual_seed(5))
+
+
+def build_actor(actor_path, layout):
+    """Megatron chunks of this rank, loaded from an HF checkpoint (init_megatron + the bridge)."""
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.runtime import init_megatron, ranks
+
+    init_megatron(layout)
+    tp_rank, pp_rank, _ = ranks()
+    bridge = ModelBridge.from_hf_path(actor_path, layout)
+    chunks = bridge.build(pp_rank)
+    bridge.load_hf_weights(chunks, actor_path, tp_rank=tp_rank, pp_rank=pp_rank)
+    for chunk in chunks:
+        chunk.eval()
+    return bridge, chunks
+
+
+def actor_log_probs(chunks, bridge, sequences):
+    """log π(x_t | x_<t), t ≥ 1, from megatron's forward (last pipeline stage; None elsewhere)."""
+    from megarl.models.parity import megatron_logits
+
+    logits = megatron_logits(chunks, sequences, bridge.dims.vocab_size)
+    if logits is None:
+        return None
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, sequences[:, 1:, None])[..., 0]
+
+
+def perturb_layers(chunks, scale=0.05):
+    """Deterministic noise on every decoder weight, as a training step would change them.
+
+    Seeded by name, so replicated norms stay equal across TP ranks; embeddings are left alone
+    (with tied embeddings and PP > 1, megatron keeps the two copies equal by all-reducing grads).
+    """
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if ".layers." in name:
+                    gen = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 % (1 << 31))
+                    param.add_(scale * torch.randn(param.shape, generator=gen))
+
+
+def reference_export(bridge, chunks):
+    """The bridge's per-parameter export (independent of the manager), gathered on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine = dict(bridge.iter_hf_weights(chunks, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                                       tp_group=ps.get_tensor_model_parallel_group()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for d in everyone for k, v in d.items()}
+
+
+def engine_snapshot(engine, sequences):
+    """(greedy completions of PROMPTS, engine log-probs of `sequences`) of an engine."""
+    from megarl.rollout import SamplingParams
+
+    return engine.generate_sync(PROMPTS, SamplingParams(**GREEDY)), torch.tensor(engine.score(sequences.tolist()))
+
+
+def hf_greedy(config_path, weights=None, prompts=PROMPTS, max_tokens=GREEDY["max_tokens"]):
+    """`transformers.generate` greedy continuations, one prompt at a time, with optional weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(config_path, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and all(n == "lm_head.weight" for n in missing), (missing, unexpected)
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def tokens(completions):
+    return [c[0].token_ids for c in completions]
+
+
+def check_sync(snaps, actor, weights, actor_path, atol):
+    """snaps: tag → (completions, scores) on the engine; actor: tag → actor log-probs (last stage)."""
+    # the engine started from other weights; after the sync it is the actor
+    assert tokens(snaps["synced"][0]) == hf_greedy(actor_path)
+    assert tokens(snaps["before"][0]) != tokens(snaps["synced"][0])
+    assert (snaps["synced"][1] - actor["synced"]).abs().max() < atol
+    assert (snaps["before"][1] - actor["synced"]).abs().max() > 0.1
+    # a training-like change moves the engine with it
+    assert tokens(snaps["perturbed"][0]) == hf_greedy(actor_path, weights)
+    assert tokens(snaps["perturbed"][0]) != tokens(snaps["synced"][0])
+    assert (snaps["perturbed"][1] - actor["perturbed"]).abs().max() < atol
+    # a sync of unchanged weights changes nothing (but the version)
+    assert tokens(snaps["resynced"][0]) == tokens(snaps["perturbed"][0])
+    assert torch.equal(snaps["resynced"][1], snaps["perturbed"][1])
+    for completions in snaps["synced"][0]:
+        assert all(len(c.logprobs) == len(c.token_ids) == GREEDY["max_tokens"] for c in completions)

@@ -1,0 +1,146 @@
+"""vLLM (CPU build) as the rollout engine: weights from a megatron actor, bad updates, mismatch metrics.
+
+One vLLM engine for the whole module (start-up is the expensive part), in the pytest process.
+The actor runs in gloo ranks (TP2×PP2, then PP2×VPP2); its rollout rank sends the planned
+buckets to the engine over a `WeightGroup` (the broadcast transport of server mode, here with one
+receiver), and the engine streams them into vLLM with `reload_weights`.
+"""
+import concurrent.futures
+
+import pytest
+import torch
+
+from megarl.models.layout import ParallelLayout
+from megarl.rollout import SamplingParams, WeightUpdateError, vllm_available
+from megarl.testing.dist import free_port, run_distributed
+from rollout_sync_checks import (actor_log_probs, build_actor, check_sync, engine_snapshot, fixed_sequences,
+                                 perturb_layers, reference_export, tokens)
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+ATOL = 2e-4  # vLLM's CPU kernels vs megatron's local spec, fp32
+
+
+@pytest.fixture(scope="module")
+def engine(rollout_models):
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(rollout_models["qwen2_other"])
+
+
+def actor_sender_rank(actor_path, layout, sequences, port, steps):
+    """Every rank of the actor: sync after each step of `steps` ("sync", "perturb", "score_sampled")."""
+    import torch.distributed as dist
+
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+    from megarl.rollout.sharding.manager import ShardingManager
+
+    bridge, chunks = build_actor(actor_path, layout)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
+    group = WeightGroup("127.0.0.1", port, 0, 2, timeout_s=120) if manager.is_rollout_rank else None
+    sender = BroadcastSender(group) if group else None
+    out = {"actor": {}, "versions": []}
+    for step in steps:
+        if step == "perturb":
+            perturb_layers(chunks)
+            out["weights"] = reference_export(bridge, chunks)
+        elif step == "score_sampled":  # sequences sampled by the engine, sent back over the weight group
+            box = [group.broadcast_object(src=1) if group else None]
+            dist.broadcast_object_list(box, src=manager.rollout_ranks[0])
+            out["sampled_actor"] = actor_log_probs(chunks, bridge, box[0])
+        else:
+            out["versions"].append(manager.sync(sender=sender))
+            out["actor"][step] = actor_log_probs(chunks, bridge, sequences)
+    if sender:
+        sender.close()
+    out["exchanges"] = manager.metadata_exchanges
+    return out
+
+
+def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
+    """Run the actor ranks in a thread while this thread receives each update into `engine`."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_distributed, actor_sender_rank, layout.tp * layout.pp, str(actor_path), layout,
+                             fixed_sequences(), port, steps, timeout=240)
+        group = WeightGroup("127.0.0.1", port, 1, 2, timeout_s=120)
+        receiver = BroadcastReceiver(group, engine)
+        for step in steps:
+            if step == "score_sampled":
+                group.broadcast_object(on_update(step), src=1)
+            elif step != "perturb":
+                receiver.receive_update()
+                on_update(step)
+        assert receiver.receive_update() is None  # the sender closed the group
+        return future.result()
+
+
+def test_tp2xpp2_actor_to_vllm_tp1(engine, rollout_models):
+    sequences = fixed_sequences()
+    snaps = {"before": engine_snapshot(engine, sequences)}
+    version0 = engine.version
+    steps = ["synced", "perturb", "perturbed", "resynced"]
+    results = run_actor_and_receive(engine, rollout_models["qwen2"], ParallelLayout(tp=2, pp=2), steps,
+                                    lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)))
+    assert all(r["exchanges"] == 1 for r in results)
+    assert results[0]["versions"] == [version0 + 1, version0 + 2, version0 + 3]
+    check_sync(snaps, results[-1]["actor"], results[0]["weights"], rollout_models["qwen2"], ATOL)
+
+
+def test_pp2_vpp2_actor_to_vllm_with_mismatch_metrics(engine, rollout_models):
+    """Virtual stages; then the engine samples and the actor recomputes log-probs of those samples."""
+    from megarl.algorithms.mismatch import mismatch_metrics
+    from rollout_sync_checks import hf_greedy
+
+    sequences = fixed_sequences()
+    prompts = [[1, 5, 9, 13], [1, 40, 41, 42]] * 2  # 4 rows: a multiple of PP for the interleaved schedule
+    seen = {}
+
+    def on_step(step):
+        if step == "synced":
+            seen["synced"] = engine_snapshot(engine, sequences)
+            return None
+        # "score_sampled": sample, keep the engine's log-probs, send prompt + completion to the actor
+        completions = [cs[0] for cs in engine.generate_sync(prompts, SamplingParams(max_tokens=10, seed=3))]
+        seen["rollout_lp"] = torch.tensor([c.logprobs for c in completions])
+        return torch.tensor([p + c.token_ids for p, c in zip(prompts, completions)])
+
+    results = run_actor_and_receive(engine, rollout_models["qwen2_third"], ParallelLayout(pp=2, vpp=2),
+                                    ["synced", "score_sampled"], on_step)
+    last = results[-1]
+    assert tokens(seen["synced"][0]) == hf_greedy(rollout_models["qwen2_third"])
+    assert (seen["synced"][1] - last["actor"]["synced"]).abs().max() < ATOL
+    train_lp = last["sampled_actor"][:, len(prompts[0]) - 1:]  # log-probs of the completion tokens
+    metrics = mismatch_metrics(train_lp, seen["rollout_lp"], torch.ones_like(train_lp))
+    assert metrics["mismatch_abs_max"] < ATOL, metrics
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([("model.layers.0.mlp.gate_proj.weigth", torch.zeros(256, 128))], "model.layers.0.mlp.gate_proj.weigth"),
+    ([("model.norm.weight", torch.ones(64))], "'model.norm.weight' with shape \\(64,\\)"),
+], ids=["wrong-name", "wrong-shape"])
+def test_bad_update_names_the_tensor_and_keeps_serving(engine, bad, match):
+    sequences = fixed_sequences()
+    before, version = engine_snapshot(engine, sequences), engine.version
+    good = [("model.layers.1.input_layernorm.weight", torch.full((128,), 3.0))]  # would change outputs
+    with pytest.raises(WeightUpdateError, match=match):
+        engine.update_weights(good + bad, partial=True)
+    after = engine_snapshot(engine, sequences)
+    assert engine.version == version
+    assert tokens(after[0]) == tokens(before[0]) and torch.equal(after[1], before[1])
+
+
+def test_incomplete_update_is_refused_unless_partial(engine):
+    with pytest.raises(WeightUpdateError, match="lacks"):
+        engine.update_weights([("model.norm.weight", torch.ones(128))])
+
+
+def test_sleep_refuses_requests_until_wake_up(engine):
+    engine.sleep()
+    try:
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.generate_sync([[1, 2, 3]])
+    finally:
+        engine.wake_up()
+    assert len(engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0][0].token_ids) == 3
