@@ -19,7 +19,7 @@ import torch
 from megarl.algorithms.masked import (
     GroupIds, group_codes, group_mean_std, masked_whiten, whiten_zeroed, zero_masked,
 )
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("inputs", "cfg"))
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register

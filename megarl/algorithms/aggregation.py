@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algorithms.masked import masked_sum
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 LOSS_AGGREGATIONS = Registry("loss aggregation", ("loss_mat", "mask", "agg"))
 register_loss_aggregation = LOSS_AGGREGATIONS.register

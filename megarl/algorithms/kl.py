@@ -18,7 +18,7 @@ import torch
 
 from megarl.algorithms.aggregation import LossAggregation, aggregate_loss
 from megarl.algorithms.masked import masked_mean, zero_masked
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator", ("log_probs", "ref_log_probs"))
 register_kl_estimator = KL_ESTIMATORS.register

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algorithms.masked import masked_mean, masked_sum, zero_masked
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 IS_LEVELS = Registry("importance-weight level", ("log_ratio", "mask"))
 

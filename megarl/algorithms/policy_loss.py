@@ -18,7 +18,7 @@ import torch
 
 from megarl.algorithms.aggregation import LossAggregation, aggregate_loss
 from megarl.algorithms.masked import masked_mean, zero_masked
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss", ("inputs", "cfg", "agg"))
 register_policy_loss = POLICY_LOSSES.register

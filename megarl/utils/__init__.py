@@ -1,1 +1,1 @@
-"""Small shared utilities: multi-rank launch (`distributed`) and atomic directories (`atomic`)."""
+"""Small shared utilities: multi-rank launch (`distributed`), atomic directories (`atomic`), name registries (`registry`)."""

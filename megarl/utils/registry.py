@@ -1,14 +1,17 @@
-"""Name → function registries for the algorithm pieces (advantage estimators, policy losses,
-KL estimators, loss aggregations).
+"""Name → function registries: advantage estimators, policy losses, KL estimators, loss
+aggregations, reward functions.
 
 Every member of one registry has the same signature, so the trainer looks a function up by its
 configured name and calls it; it never writes `if name == "gae"`. Unknown names fail with the list
-of valid ones, and `"pkg.module:fn"` loads a user function by dotted path.
+of valid ones; `"pkg.module:fn"` or `"path/to/file.py:fn"` loads a user function.
 
 Imports only the standard library (no torch, megatron, vLLM or Ray).
 """
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from typing import Callable
 
 
@@ -70,11 +73,28 @@ def _qualname(fn: Callable) -> str:
 
 
 def _load_dotted(path: str, kind: str) -> Callable:
-    module_name, _, attr = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot load {kind} {path!r}: {err}") from err
+    target, _, attr = path.rpartition(":")
+    module = _load_file(target, kind, path) if target.endswith(".py") else _import(target, kind, path)
+    fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{kind} {path!r} is not callable")
+        raise ValueError(f"cannot load {kind} {path!r}: {target!r} has no callable {attr!r}")
     return fn
+
+
+def _import(module_name: str, kind: str, path: str):
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot load {kind} {path!r}: cannot import module {module_name!r}: {err}") from err
+
+
+def _load_file(file: str, kind: str, path: str):
+    """Import a user's .py file as a module (registered in sys.modules so process pools can pickle its functions)."""
+    if not os.path.isfile(file):
+        raise ValueError(f"cannot load {kind} {path!r}: file {file!r} does not exist (cwd {os.getcwd()})")
+    name = f"megarl_user_{kind.replace(' ', '_')}_" + os.path.splitext(os.path.basename(file))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.abspath(file))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,7 @@ from megarl.algorithms import (
     ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, get_advantage_estimator,
     get_kl_estimator, get_policy_loss,
 )
-from megarl.algorithms.registry import Registry
+from megarl.utils.registry import Registry
 
 
 def user_estimator(inputs, cfg):
