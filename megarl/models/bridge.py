@@ -7,6 +7,7 @@ conversion CLI, the training engine and the sharding manager.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -17,6 +18,8 @@ from megarl.models.hf_io import HFCheckpointReader
 from megarl.models.layout import ParallelLayout
 from megarl.models.mapping import WeightMap
 from megarl.models import spec
+
+logger = logging.getLogger(__name__)
 
 
 class ModelBridge:
@@ -61,6 +64,7 @@ class ModelBridge:
         """Copy this rank's shards from an HF checkpoint (path or reader) into `chunks`, one tensor at a time."""
         reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
         plan = [(p, self.weight_map.lookup(n, off)) for n, p, off in self._chunk_params(chunks, pp_rank)]
+        plan = [(p, m) for p, m in plan if not self._keeps_fresh_head(m, reader)]
         reader.check_has(name for _, m in plan for name in m.hf)
         padded = _padded_vocab(chunks)
         for param, mapping in plan:
@@ -78,6 +82,13 @@ class ModelBridge:
         """How many tensors `iter_hf_weights` yields for these chunks."""
         return sum(len(self.weight_map.lookup(name, offset).hf) for name, _, offset in self._chunk_params(chunks, pp_rank)
                    if not self.weight_map.is_tied_copy(name))
+
+    def _keeps_fresh_head(self, mapping, reader: HFCheckpointReader) -> bool:
+        """A critic started from a causal-LM checkpoint has no `score.weight`: its value head keeps its init."""
+        if not (self.value_head and mapping.hf == ("score.weight",) and "score.weight" not in reader):
+            return False
+        logger.info("%s has no score.weight: the value head starts from its random init", reader.path)
+        return True
 
     def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of this pipeline stage; TP shards are gathered one parameter at a time."""

@@ -14,6 +14,7 @@ from megarl.models.hf_io import CheckpointError
 from megarl.models.hf_config import UnsupportedModelError
 from megarl.models.layout import LayoutError, ParallelLayout
 from megarl.utils.atomic import TargetExistsError, atomic_directory
+from megarl.utils.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,3 +137,16 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "model_type='bert' is not supported" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_launch_converts_with_the_same_result(tiny_models, tmp_path):
+    """Under torchrun the tool uses the launched world (here 2 ranks: TP2) instead of spawning one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore", "--hf-path", str(tiny_models["mistral"]),
+           "--mcore-path", str(tmp_path / "mcore"), "--tp", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote megatron checkpoint") == 1  # printed by rank 0 only
+    assert read_metadata(tmp_path / "mcore")["written_with_layout"]["tp"] == 2
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    _assert_bit_exact(tiny_models["mistral"], tmp_path / "hf")
