@@ -1,0 +1,95 @@
+"""Shared inputs and per-rank functions of the engine tests (module level, so ranks can import them)."""
+from __future__ import annotations
+
+import torch
+
+from megarl.data.batch import Batch
+
+VOCAB = 96
+
+
+def padded_batch(rows: int = 8, prompt: int = 6, response: int = 6, seed: int = 0) -> Batch:
+    """Left-padded prompts + right-padded responses with RL columns (old log-probs, advantages, ...)."""
+    gen = torch.Generator().manual_seed(seed)
+    length = prompt + response
+    ids = torch.randint(3, VOCAB, (rows, length), generator=gen)
+    mask = torch.zeros(rows, length, dtype=torch.long)
+    response_mask = torch.zeros(rows, response, dtype=torch.long)
+    for r in range(rows):
+        p = 1 + (r * 5) % prompt
+        t = 1 + (r * 3) % response
+        mask[r, prompt - p:prompt + t] = 1
+        response_mask[r, :t] = 1
+    ids = ids * mask
+    tensors = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+               "old_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
+               "advantages": torch.randn(rows, response, generator=gen),
+               "ref_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
+               "values": 0.1 * torch.randn(rows, response, generator=gen),
+               "returns": torch.randn(rows, response, generator=gen)}
+    return Batch(tensors)
+
+
+def hf_log_probs(hf_path, batch: Batch) -> torch.Tensor:
+    """transformers' log-probs of each response token on the unpadded rows, [B, T] (0 off the mask)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    response = batch["response_mask"].shape[1]
+    length = batch["input_ids"].shape[1]
+    out = torch.zeros(len(batch), response)
+    with torch.no_grad():
+        for r in range(len(batch)):
+            cols = batch["attention_mask"][r].nonzero().squeeze(-1)
+            ids = batch["input_ids"][r, cols].unsqueeze(0)
+            logp = torch.log_softmax(model(ids).logits[0], -1)
+            for t in range(response):
+                pos = length - response + t
+                if batch["response_mask"][r, t] and pos - 1 >= cols[0]:
+                    i = pos - cols[0]
+                    out[r, t] = logp[i - 1, ids[0, i]]
+    return out
+
+
+def build(hf_path, layout, *, first: bool = False, value_head: bool = False, optim=None, micro_batch_tokens=1000,
+          **config):
+    """Role groups (collective) + engine at `layout`; `first` also initialises megatron's global state."""
+    from megarl.engine.config import EngineConfig
+    from megarl.engine.engine import MegatronEngine
+    from megarl.engine.parallel import build_role_groups, init_global_state
+
+    groups = build_role_groups(layout)
+    if first:
+        init_global_state(groups)
+    cfg = EngineConfig(layout=layout, micro_batch_tokens=micro_batch_tokens, optim=optim, **config)
+    return MegatronEngine(hf_path, cfg, groups, value_head=value_head)
+
+
+def linear_adam():
+    """Adam whose first update is ≈ −grad (ε ≫ |g|, lr = ε): parameter deltas expose the gradient."""
+    from megarl.engine.config import OptimConfig
+
+    return OptimConfig(lr=1e4, adam_eps=1e4, clip_grad=1e9)
+
+
+def local_rows(engine, batch):
+    from megarl.engine.micro import shard_for_dp
+
+    return shard_for_dp(batch, engine.groups.dp_size, engine.groups.dp_rank)
+
+
+def one_update(hf_path, layout, micro_batch_tokens, first):
+    """One actor update at `layout`: (loss, grad norm, micro-batches, HF-named parameter deltas on TP rank 0)."""
+    from megarl.engine.roles import Actor
+
+    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens)
+    before = {name: tensor.clone() for name, tensor in engine.hf_weights()}  # TP1 yields views
+    metrics = Actor(engine).update(local_rows(engine, padded_batch()))
+    deltas = {name: after - before[name] for name, after in engine.hf_weights()}
+    keep = engine.groups.tp_rank == 0 and engine.groups.dp_rank == 0
+    return metrics["loss"], metrics["grad_norm"], metrics["micro_batches"], deltas if keep else {}
+
+
+def updates_rank(scenarios):
+    """Run each (hf_path, layout, micro_batch_tokens) scenario in turn in the same processes."""
+    return [one_update(hf, layout, mbt, first=i == 0) for i, (hf, layout, mbt) in enumerate(scenarios)]

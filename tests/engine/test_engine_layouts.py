@@ -1,0 +1,58 @@
+"""One actor update gives the same loss and gradients at every layout and micro-batch split.
+
+Gradients are read through Adam with ε ≫ |g| and lr = ε, whose first step moves each weight by
+≈ −g (exactly the same function of g at every layout), so equal parameter deltas mean equal
+gradients. Scenarios of one world size share one set of processes (each builds its own groups).
+"""
+import pytest
+import torch
+
+from megarl.models.layout import ParallelLayout as L
+from megarl.testing.dist import run_distributed
+from megarl.testing.models import save_tiny_hf_model
+
+import engine_cases as C
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_layouts")
+    save_tiny_hf_model("llama", root / "llama", seed=0)
+    save_tiny_hf_model("qwen2", root / "qwen2_4l", seed=1, num_layers=4)
+    return {"llama": str(root / "llama"), "qwen2_4l": str(root / "qwen2_4l")}
+
+
+def _merge(per_rank, index):
+    """Loss, grad norm and micro-batches of scenario `index` (rank 0) and the deltas of every stage."""
+    loss, norm, micro, _ = per_rank[0][index]
+    deltas = {}
+    for rank_results in per_rank:
+        deltas.update(rank_results[index][3])
+    return loss, norm, micro, deltas
+
+
+def _assert_same(result, reference):
+    loss, norm, _, deltas = result
+    ref_loss, ref_norm, _, ref_deltas = reference
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=1e-4)
+    assert deltas.keys() == ref_deltas.keys()
+    for name in ref_deltas:
+        torch.testing.assert_close(deltas[name], ref_deltas[name], rtol=1e-3, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_and_micro_batch_splits(models):
+    llama, qwen = models["llama"], models["qwen2_4l"]
+    single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000)],
+                             timeout=300)
+    two = run_distributed(C.updates_rank, 2, [(llama, L(tp=2), 1000), (llama, L(pp=2), 14),
+                                              (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30)], timeout=300)
+    four = run_distributed(C.updates_rank, 4, [(llama, L(tp=2, pp=2), 20)], timeout=300)
+    reference = _merge(single, 0)
+    assert reference[2] == 1 and _merge(single, 1)[2] >= 4
+    assert max(reference[3]["model.layers.0.self_attn.q_proj.weight"].abs().max(), 0) > 1e-4  # a real update
+    _assert_same(_merge(single, 1), reference)
+    for index in range(3):
+        _assert_same(_merge(two, index), reference)
+    _assert_same(_merge(two, 3), _merge(single, 2))
+    _assert_same(_merge(four, 0), reference)
