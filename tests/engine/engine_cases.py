@@ -93,3 +93,50 @@ def one_update(hf_path, layout, micro_batch_tokens, first):
 def updates_rank(scenarios):
     """Run each (hf_path, layout, micro_batch_tokens) scenario in turn in the same processes."""
     return [one_update(hf, layout, mbt, first=i == 0) for i, (hf, layout, mbt) in enumerate(scenarios)]
+
+
+def adam(lr=1e-2):
+    from megarl.engine.config import OptimConfig
+
+    return OptimConfig(lr=lr, clip_grad=1.0)
+
+
+def colocated_rank(actor_hf, critic_hf, steps):
+    """Actor TP2 and critic TP1×DP2 in the same processes; a reference and a reward model beside them."""
+    from megarl.engine.roles import Actor, Critic, Reference, RewardModel
+    from megarl.engine.engine import MegatronEngine
+    from megarl.engine.config import EngineConfig
+    from megarl.models.layout import ParallelLayout
+
+    actor = Actor(build(actor_hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
+    critic = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(), micro_batch_tokens=30))
+    reference = Reference(MegatronEngine(actor_hf, EngineConfig(layout=actor.engine.config.layout), actor.engine.groups))
+    reward = RewardModel(build(critic_hf, ParallelLayout(tp=2), value_head=True))
+    batch = padded_batch()
+    start = actor.compute_log_probs(batch)
+    ref = reference.compute_log_probs(batch)
+    scores = reward.compute_scores(batch)
+    critic_rows = local_rows(critic.engine, batch)
+    actor_losses = [actor.update(batch)["loss"] for _ in range(steps)]
+    critic_losses = [critic.update(critic_rows)["loss"] for _ in range(steps)]
+    return {"start": start, "ref": ref, "scores": scores, "actor": actor_losses, "critic": critic_losses,
+            "critic_values": critic.compute_values(critic_rows), "critic_rows": critic_rows["input_ids"]}
+
+
+def offload_rank(hf, steps):
+    """Two identical actors; one is offloaded and onloaded between steps. Returns both loss curves and weights."""
+    from megarl.engine.offload import device_bytes
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    plain = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
+    moved = Actor(build(hf, ParallelLayout(tp=2), optim=adam(), micro_batch_tokens=30))
+    batch, curves, freed = padded_batch(), ([], []), []
+    for _ in range(steps):
+        curves[0].append(plain.update(batch)["loss"])
+        curves[1].append(moved.update(batch)["loss"])
+        moved.engine.offload()
+        freed.append(device_bytes(moved.engine._state_tensors(), "cpu"))
+        moved.engine.onload()
+    weights = [{n: t.clone() for n, t in a.engine.hf_weights()} for a in (plain, moved)]
+    return curves, freed, weights
