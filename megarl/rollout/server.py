@@ -1,0 +1,90 @@
+"""Server mode: rollout engines as Ray actors with their own resources, fed weights by broadcast.
+
+Owns: `EngineServer` (an engine inside an async Ray actor: concurrent `generate` calls are
+batched by the engine; weight updates arrive over a `WeightGroup` from one trainer rank) and
+`launch_engine_servers` / `connect_servers`, the driver-side helpers. The trainer rank that
+holds the gathered weights (the sharding manager's rollout rank) is rank 0 of the weight group
+and calls `ShardingManager.sync(sender=BroadcastSender(group))`; the driver asks every server to
+`receive_update()` for each sync. On CPU the group is gloo (tested with the embedded engine and
+the vLLM CPU build); on GPU pass backend="nccl".
+
+Imports Ray only inside the helpers, so the module imports without it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Optional, Sequence
+
+from megarl.rollout.base import Completion, SamplingParams
+
+
+class EngineServer:
+    """The body of the engine actor (wrap with `ray.remote`; `launch_engine_servers` does)."""
+
+    def __init__(self, model_path: str, backend: str = "auto", **engine_kwargs):
+        from megarl.rollout import create_engine
+
+        self.engine = create_engine(model_path, backend=backend, **engine_kwargs)
+        self._receiver = None
+        self._joined = threading.Event()  # Ray may start receive_update before join_weight_group
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams()
+                       ) -> list[Completion]:
+        return await self.engine.generate(prompt_token_ids, params)
+
+    async def generate_batch(self, prompts, params: SamplingParams = SamplingParams()) -> list[list[Completion]]:
+        return await self.engine.generate_batch(prompts, params)
+
+    async def score(self, sequences) -> list[list[float]]:
+        return await asyncio.to_thread(self.engine.score, sequences)
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str = "gloo", timeout_s: float = 300.0) -> None:
+        """Join the trainer's weight group as `rank` (≥ 1); returns once the group is formed.
+
+        A first `receive_update` may be sent before this resolves; when re-joining a new group,
+        wait for this call before asking for updates from it.
+        """
+        self._joined.clear()
+        from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
+
+        def join():
+            return BroadcastReceiver(WeightGroup(host, port, rank, world_size, backend=backend,
+                                                 timeout_s=timeout_s), self.engine)
+
+        self._receiver = await asyncio.to_thread(join)
+        self._joined.set()
+
+    async def receive_update(self, join_timeout_s: float = 300.0) -> Optional[int]:
+        """Wait for one update from the weight group; the new version (None: the sender closed)."""
+        if not await asyncio.to_thread(self._joined.wait, join_timeout_s):
+            raise RuntimeError(f"no weight group joined within {join_timeout_s} s: call join_weight_group()")
+        return await asyncio.to_thread(self._receiver.receive_update)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def sleep(self) -> None:
+        self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        self.engine.wake_up()
+
+
+def launch_engine_servers(model_path: str, num_servers: int, *, backend: str = "auto", num_cpus: float = 1,
+                          num_gpus: float = 0, **engine_kwargs) -> list:
+    """Start `num_servers` engine actors, each with its own CPUs/GPUs (Ray must be initialised)."""
+    import ray
+
+    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(EngineServer)
+    return [actor.remote(str(model_path), backend, **engine_kwargs) for _ in range(num_servers)]
+
+
+def connect_servers(servers: list, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 300.0) -> list:
+    """Ask the servers to join a weight group as ranks 1..N (the trainer rank joins as rank 0).
+
+    Returns the Ray refs of the joins; they resolve once the trainer rank has created its side.
+    """
+    world = len(servers) + 1
+    return [s.join_weight_group.remote(host, port, i + 1, world, backend, timeout_s) for i, s in enumerate(servers)]

@@ -1,0 +1,92 @@
+"""Server mode: engine actors under Ray receive the same weights from a megatron actor by broadcast.
+
+Two embedded-engine servers (two vLLM CPU engines would double the start-up and ~1.8 GB each) get
+the TP2×PP2 actor's weights over one gloo weight group; one vLLM server receives a full update
+once. A rejected update fails on the trainer with the engine's message and every server keeps
+serving its previous version.
+"""
+import pytest
+import torch
+
+from megarl.models.layout import ParallelLayout
+from megarl.rollout import SamplingParams, WeightUpdateError, vllm_available
+from megarl.testing.dist import free_port, run_distributed
+from rollout_sync_checks import GREEDY, PROMPTS, build_actor, hf_greedy, tokens
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def sender_rank(actor_path, layout, port, world_size):
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+    from megarl.rollout.sharding.manager import ShardingManager
+
+    bridge, chunks = build_actor(actor_path, layout)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
+    sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, world_size, timeout_s=120)) \
+        if manager.is_rollout_rank else None
+    return manager.sync(sender=sender)
+
+
+def greedy(servers):
+    return [tokens(ray.get(s.generate_batch.remote(PROMPTS, SamplingParams(**GREEDY)))) for s in servers]
+
+
+def test_two_engine_servers_receive_the_same_weights_by_broadcast(ray_cluster, rollout_models):
+    from megarl.rollout.server import connect_servers, launch_engine_servers
+
+    servers = launch_engine_servers(str(rollout_models["llama_other"]), 2, backend="embedded", num_cpus=1)
+    before = greedy(servers)
+    port = free_port()
+    joins = connect_servers(servers, "127.0.0.1", port, timeout_s=120)
+    updates = [s.receive_update.remote() for s in servers]
+    results = run_distributed(sender_rank, 4, str(rollout_models["llama"]), ParallelLayout(tp=2, pp=2), port, 3,
+                              timeout=240)
+    ray.get(joins)
+    assert ray.get(updates) == [1, 1] and results[0] == 1
+    after = greedy(servers)
+    assert after[0] == after[1] == hf_greedy(rollout_models["llama"]) != before[0]
+
+    # a bad update from the trainer side: every server refuses it before loading, keeps version 1
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+
+    port = free_port()
+    joins = connect_servers(servers, "127.0.0.1", port, timeout_s=60)
+    sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60))
+    ray.get(joins)
+    updates = [s.receive_update.remote() for s in servers]
+    with pytest.raises(WeightUpdateError, match="model.layers.0.self_attn.q_proj.weight"):
+        sender.update([("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64))])
+    for ref in updates:
+        with pytest.raises(Exception, match="q_proj"):
+            ray.get(ref)
+    assert ray.get([s.version.remote() for s in servers]) == [1, 1]
+    assert greedy(servers) == after
+    for s in servers:
+        ray.kill(s)
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_vllm_engine_server_receives_a_broadcast_update(ray_cluster, rollout_models):
+    from safetensors.torch import load_file
+
+    from megarl.rollout.server import connect_servers, launch_engine_servers
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+
+    (server,) = launch_engine_servers(str(rollout_models["qwen3_other"]), 1, backend="vllm", num_cpus=1)
+    port = free_port()
+    join = connect_servers([server], "127.0.0.1", port, timeout_s=180)
+    sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=180))
+    ray.get(join)
+    update = server.receive_update.remote()
+    weights = load_file(str(rollout_models["qwen3"] / "model.safetensors"))
+    assert sender.update(sorted(weights.items())) == 1
+    assert ray.get(update) == 1
+    assert greedy([server])[0] == hf_greedy(rollout_models["qwen3"])
+    ray.kill(server)
