@@ -1,4 +1,4 @@
-"""The `megarl` command: `convert`, `check-parity` (and, as they land, `train`, `eval`).
+"""The `megarl` command: `convert`, `check-parity`, `config` (and, as they land, `train`, `eval`).
 
 Owns: argument parsing and turning the library's validation errors into one clear line and a
 non-zero exit code (no traceback for bad input). The work itself lives in the library.
@@ -51,11 +51,21 @@ def _parity_parser(sub) -> None:
     _add_layout(parity, "")
 
 
+def _config_parser(sub) -> None:
+    config = sub.add_parser("config", help="print the resolved run config (defaults <- YAML <- overrides) and validate it")
+    config.add_argument("config", help="YAML file of overrides (configs/*.yaml)")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.samples_per_prompt=8")
+    config.add_argument("--validate-only", action="store_true", help="print only the derived sizes, not the YAML")
+    config.add_argument("--no-check-paths", action="store_true",
+                        help="skip checks that read local files (HF config.json, data): paths that exist only on the cluster")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _convert_parser(sub)
     _parity_parser(sub)
+    _config_parser(sub)
     return parser
 
 
@@ -86,9 +96,20 @@ def _run_parity(args) -> int:
     return 0 if result.ok else 1
 
 
+def _run_config(args) -> int:
+    from megarl.config import describe, dump_yaml, load_config, validate
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.validate_only:
+        print(dump_yaml(cfg), end="")
+    derived = validate(cfg, check_paths=not args.no_check_paths)
+    print(f"# ok: {describe(derived)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"convert": _run_convert, "check-parity": _run_parity}[args.command]
+    handler = {"convert": _run_convert, "check-parity": _run_parity, "config": _run_config}[args.command]
     try:
         return handler(args)
     except _USER_ERRORS as err:

@@ -1,0 +1,371 @@
+"""Up-front checks of a `RunConfig`, and the one place derived sizes are computed.
+
+Owns: `derive(cfg) -> Derived` (active roles, GPUs per pool, each role's DP size, samples per step
+and per update, updates per step, rollout engines) and `validate(cfg, check_paths=True)`, which
+runs in well under a second before any worker starts. Every error is a `ConfigError` that names
+the field(s) and the fix: sizes that do not divide (saying which numbers), layouts that do not fit
+the model's heads/layers, unknown algorithm names (listing the valid ones), missing files, GPU
+counts against layouts, an estimator that needs a critic without one.
+
+`check_paths=False` skips what needs local files (the HF config.json, dataset and tokenizer
+files): for configs written on a laptop for a cluster whose paths only exist there.
+Imports no megatron, vLLM or Ray.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+import torch
+
+from megarl.config.loader import ConfigError
+from megarl.config.schema import (
+    ACCELERATORS, LOGGERS, MAIN_POOL, RESUME_MODES, ROLLOUT_ENGINES, ROLLOUT_MODES, RoleConfig, RunConfig,
+    TrainableRoleConfig,
+)
+from megarl.models.layout import LayoutError
+
+MODEL_ROLES = ("actor", "ref", "critic", "reward_model")
+TRAINABLE_ROLES = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Sizes that follow from the config (computed here only; the trainer reads them from here)."""
+
+    roles: tuple[str, ...]
+    """Active model roles, in build order (actor first)."""
+    pool_gpus: dict[str, int]
+    """GPUs (workers) per resource pool."""
+    role_world: dict[str, int]
+    """Ranks each active role spans (its whole pool)."""
+    role_dp: dict[str, int]
+    """Data-parallel size of each active role."""
+    samples_per_step: int
+    """prompts_per_step * samples_per_prompt."""
+    samples_per_update: dict[str, int] = field(default_factory=dict)
+    """Samples per optimizer step of each trainable role."""
+    updates_per_step: dict[str, int] = field(default_factory=dict)
+    """Optimizer steps per RL step of each trainable role (epochs included)."""
+    rollout_engines: int = 1
+    """Rollout engine instances (rollout pool GPUs / rollout.tp)."""
+
+
+# ----------------------------------------------------------------------------- which roles exist
+
+
+def kl_enabled(cfg: RunConfig) -> bool:
+    """A KL term (in the reward or in the loss) is on."""
+    return cfg.algorithm.kl_reward.coef > 0 or cfg.algorithm.kl_loss.coef > 0
+
+
+def active_roles(cfg: RunConfig) -> tuple[str, ...]:
+    """The model roles this config builds: the actor always; ref, critic, reward model when enabled."""
+    ref = kl_enabled(cfg) if cfg.ref.enabled is None else cfg.ref.enabled
+    on = {"actor": True, "ref": ref, "critic": cfg.critic.enabled, "reward_model": cfg.reward_model.enabled}
+    return tuple(role for role in MODEL_ROLES if on[role])
+
+
+def pool_sizes(cfg: RunConfig) -> dict[str, int]:
+    """GPUs per pool: resources.pools, or one pool 'main' with every GPU."""
+    res = cfg.resources
+    total = res.nodes * res.gpus_per_node
+    pools = dict(res.pools) or {MAIN_POOL: total}
+    used = sum(pools.values())
+    if used > total:
+        raise ConfigError(f"resources.pools asks for {used} GPUs ({pools}) but resources.nodes *"
+                          f" resources.gpus_per_node = {res.nodes} * {res.gpus_per_node} = {total}; shrink the"
+                          " pools or add nodes")
+    for name, gpus in pools.items():
+        if gpus < 1:
+            raise ConfigError(f"resources.pools.{name}={gpus}: a pool needs at least one GPU")
+        if gpus > res.gpus_per_node and gpus % res.gpus_per_node:
+            raise ConfigError(f"resources.pools.{name}={gpus} spans nodes but is not a multiple of"
+                              f" resources.gpus_per_node={res.gpus_per_node}; pools are made of whole nodes")
+    return pools
+
+
+# ----------------------------------------------------------------------------- derived sizes
+
+
+def derive(cfg: RunConfig) -> Derived:
+    """Every derived size, checked: raises `ConfigError` saying which numbers do not divide."""
+    pools = pool_sizes(cfg)
+    roles = active_roles(cfg)
+    role_world, role_dp = {}, {}
+    for role in roles:
+        role_cfg: RoleConfig = getattr(cfg, role)
+        role_world[role] = _pool_of(pools, role_cfg.pool, f"{role}.pool")
+        role_dp[role] = _dp_size(role, role_cfg, role_world[role], cfg.resources.gpus_per_node)
+    samples = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
+    for role in roles:
+        if samples % role_dp[role]:
+            raise ConfigError(_indivisible(cfg, f"samples per step (trainer.prompts_per_step *"
+                                                f" rollout.samples_per_prompt = {cfg.trainer.prompts_per_step} *"
+                                                f" {cfg.rollout.samples_per_prompt} = {samples})",
+                                           role, role_dp[role], role_world[role]))
+    per_update, updates = {}, {}
+    for role in (r for r in roles if r in TRAINABLE_ROLES):
+        per_update[role], updates[role] = _updates(cfg, role, role_dp[role], role_world[role])
+    return Derived(roles=roles, pool_gpus=pools, role_world=role_world, role_dp=role_dp, samples_per_step=samples,
+                   samples_per_update=per_update, updates_per_step=updates, rollout_engines=_engines(cfg, pools))
+
+
+def _pool_of(pools: dict[str, int], name: str, where: str) -> int:
+    if name not in pools:
+        raise ConfigError(f"{where}={name!r} is not a pool; pools: {sorted(pools)} (set resources.pools)")
+    return pools[name]
+
+
+def _dp_size(role: str, role_cfg: RoleConfig, world: int, gpus_per_node: int) -> int:
+    layout = role_cfg.layout
+    if layout.tp > gpus_per_node:
+        raise ConfigError(f"{role}.layout.tp={layout.tp} > resources.gpus_per_node={gpus_per_node}: tensor"
+                          " parallelism must stay inside a node; lower tp and raise pp instead")
+    if world % layout.model_parallel_size:
+        raise ConfigError(
+            f"{role}.layout: tp*pp*cp = {layout.tp}*{layout.pp}*{layout.cp} = {layout.model_parallel_size} does not"
+            f" divide the {world} GPUs of pool {role_cfg.pool!r}; pick a layout whose tp*pp*cp divides {world}"
+            " or resize the pool (resources.pools / resources.gpus_per_node)")
+    dp = world // layout.model_parallel_size
+    if layout.ep > 1 and (dp * layout.cp) % layout.ep:
+        raise ConfigError(f"{role}.layout.ep={layout.ep} must divide dp*cp = {dp}*{layout.cp}")
+    return dp
+
+
+def _indivisible(cfg: RunConfig, what: str, role: str, dp: int, world: int) -> str:
+    layout = getattr(cfg, role).layout
+    return (f"{what} is not divisible by {role}'s data-parallel size {dp} (= {world} GPUs /"
+            f" (tp*pp*cp = {layout.model_parallel_size})); change trainer.prompts_per_step or"
+            f" rollout.samples_per_prompt so that it divides, or the {role} layout")
+
+
+def _updates(cfg: RunConfig, role: str, dp: int, world: int) -> tuple[int, int]:
+    role_cfg: TrainableRoleConfig = getattr(cfg, role)
+    prompts = cfg.trainer.prompts_per_step
+    per_update = role_cfg.prompts_per_update or prompts
+    if per_update < 1 or prompts % per_update:
+        raise ConfigError(f"{role}.prompts_per_update={per_update} does not divide trainer.prompts_per_step="
+                          f"{prompts}; pick a divisor of {prompts} (or null for one update per step)")
+    samples = per_update * cfg.rollout.samples_per_prompt
+    if samples % dp:
+        raise ConfigError(_indivisible(cfg, f"samples per update ({role}.prompts_per_update *"
+                                            f" rollout.samples_per_prompt = {per_update} *"
+                                            f" {cfg.rollout.samples_per_prompt} = {samples})", role, dp, world))
+    if role_cfg.epochs_per_step < 1:
+        raise ConfigError(f"{role}.epochs_per_step={role_cfg.epochs_per_step} must be >= 1")
+    return samples, role_cfg.epochs_per_step * (prompts // per_update)
+
+
+def _engines(cfg: RunConfig, pools: dict[str, int]) -> int:
+    ro = cfg.rollout
+    if ro.mode not in ROLLOUT_MODES:
+        raise ConfigError(f"rollout.mode={ro.mode!r}; pick one of {', '.join(ROLLOUT_MODES)}")
+    gpus = _pool_of(pools, ro.pool, "rollout.pool")
+    if ro.mode == "colocated" and ro.pool != cfg.actor.pool:
+        raise ConfigError(f"rollout.mode=colocated needs rollout.pool == actor.pool ({ro.pool!r} vs"
+                          f" {cfg.actor.pool!r}); set rollout.pool={cfg.actor.pool} or rollout.mode=server")
+    if ro.mode == "server" and ro.pool == cfg.actor.pool:
+        raise ConfigError(f"rollout.mode=server needs its own pool, not the actor's ({ro.pool!r}); add one to"
+                          " resources.pools and set rollout.pool, or use rollout.mode=colocated")
+    if ro.tp < 1 or gpus % ro.tp:
+        raise ConfigError(f"rollout.tp={ro.tp} does not divide the {gpus} GPUs of pool {ro.pool!r}; pick a"
+                          f" divisor of {gpus}")
+    if ro.tp > cfg.resources.gpus_per_node:
+        raise ConfigError(f"rollout.tp={ro.tp} > resources.gpus_per_node={cfg.resources.gpus_per_node}: one"
+                          " engine must fit on a node")
+    return gpus // ro.tp
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def validate(cfg: RunConfig, *, check_paths: bool = True) -> Derived:
+    """Check everything that can be checked before a worker starts; the derived sizes, or `ConfigError`.
+
+    check_paths=False skips the checks that read local files (HF config.json, data, tokenizer).
+    """
+    _check_ranges(cfg)
+    _check_algorithm(cfg)
+    derived = derive(cfg)
+    _check_roles(cfg, derived)
+    if check_paths:
+        _check_files(cfg)
+        _check_models(cfg, derived)
+    return derived
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    tr, ro, res = cfg.trainer, cfg.rollout, cfg.resources
+    rules = [
+        (tr.total_steps >= 1, f"trainer.total_steps={tr.total_steps} must be >= 1"),
+        (tr.prompts_per_step >= 1, f"trainer.prompts_per_step={tr.prompts_per_step} must be >= 1"),
+        (min(tr.checkpoint_every_steps, tr.log_every_steps - 1, tr.dump_rollouts_every_steps,
+             cfg.validation.every_steps) >= 0,
+         "trainer.checkpoint_every_steps / dump_rollouts_every_steps / validation.every_steps must be >= 0"
+         " and trainer.log_every_steps >= 1"),
+        (bool(tr.resume), "trainer.resume is empty: use auto, never, or a checkpoint path"),
+        (set(tr.loggers) <= set(LOGGERS), f"trainer.loggers={tr.loggers}: valid loggers are {', '.join(LOGGERS)}"),
+        (ro.samples_per_prompt >= 1, f"rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 1"),
+        (ro.max_response_tokens >= 1, f"rollout.max_response_tokens={ro.max_response_tokens} must be >= 1"),
+        (ro.engine in ROLLOUT_ENGINES, f"rollout.engine={ro.engine!r}; pick one of {', '.join(ROLLOUT_ENGINES)}"),
+        (ro.temperature >= 0 and 0 < ro.top_p <= 1,
+         f"rollout.temperature={ro.temperature} must be >= 0 and rollout.top_p={ro.top_p} in (0, 1]"),
+        (0 < ro.gpu_memory_utilization <= 1,
+         f"rollout.gpu_memory_utilization={ro.gpu_memory_utilization} must be in (0, 1]"),
+        (res.accelerator in ACCELERATORS, f"resources.accelerator={res.accelerator!r}; pick gpu or cpu"),
+        (res.nodes >= 1 and res.gpus_per_node >= 1,
+         f"resources.nodes={res.nodes} and resources.gpus_per_node={res.gpus_per_node} must be >= 1"),
+        (bool(cfg.model.hf_path), "model.hf_path is empty: set it to the initial policy's HF checkpoint directory"),
+        (bool(cfg.data.files), "data.files is empty: list the training prompt files (parquet/jsonl/json)"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _check_algorithm(cfg: RunConfig) -> None:
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+    from megarl.algorithms.mismatch import IS_LEVELS
+
+    alg = cfg.algorithm
+    lookups = [
+        ("algorithm.advantage.estimator", ADVANTAGE_ESTIMATORS, alg.advantage.estimator),
+        ("algorithm.policy_loss.name", POLICY_LOSSES, alg.policy_loss.name),
+        ("algorithm.loss_agg_mode", LOSS_AGGREGATIONS, alg.loss_agg_mode),
+        ("algorithm.kl_reward.estimator", KL_ESTIMATORS, alg.kl_reward.estimator),
+        ("algorithm.kl_loss.estimator", KL_ESTIMATORS, alg.kl_loss.estimator),
+    ]
+    if alg.mismatch.level is not None:
+        lookups.append(("algorithm.mismatch.level", IS_LEVELS, alg.mismatch.level))
+    for where, registry, name in lookups:
+        try:
+            registry.get(name)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: {err}") from None
+    if cfg.reward.reward_fn is not None:
+        from megarl.rewards import get_reward_fn
+
+        try:
+            get_reward_fn(cfg.reward.reward_fn)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"reward.reward_fn: {err}") from None
+    if alg.critic_warmup_steps < 0 or alg.critic_warmup_steps >= cfg.trainer.total_steps:
+        raise ConfigError(f"algorithm.critic_warmup_steps={alg.critic_warmup_steps} must be in [0,"
+                          f" trainer.total_steps={cfg.trainer.total_steps}) or the actor never trains")
+
+
+def estimator_reads_values(name: str) -> bool:
+    """Whether an advantage estimator needs critic values: probed on a 1-token toy batch, no name list."""
+    from megarl.algorithms import AdvantageConfig, AdvantageInputs, get_advantage_estimator
+
+    inputs = AdvantageInputs(token_level_rewards=torch.ones(2, 1), response_mask=torch.ones(2, 1),
+                             group_ids=[0, 0], baseline_rewards=torch.zeros(2))
+    try:
+        get_advantage_estimator(name)(inputs, AdvantageConfig(estimator=name))
+    except ValueError as err:
+        return "AdvantageInputs.values" in str(err)
+    return False
+
+
+def _check_roles(cfg: RunConfig, derived: Derived) -> None:
+    estimator = cfg.algorithm.advantage.estimator
+    if "critic" not in derived.roles and estimator_reads_values(estimator):
+        raise ConfigError(f"algorithm.advantage.estimator={estimator!r} needs critic values but critic.enabled"
+                          " is false; set critic.enabled=true (PPO) or pick an estimator without a critic"
+                          " (grpo, rloo, reinforce_plus_plus, ...)")
+    if kl_enabled(cfg) and "ref" not in derived.roles:
+        raise ConfigError("a KL term is on (algorithm.kl_reward.coef or algorithm.kl_loss.coef > 0) but"
+                          " ref.enabled=false; set ref.enabled=true (or null) or the KL coefs to 0")
+    if cfg.reward_model.enabled and not cfg.reward_model.hf_path:
+        raise ConfigError("reward_model.enabled=true needs reward_model.hf_path (the reward model checkpoint)")
+    if cfg.algorithm.critic_warmup_steps and "critic" not in derived.roles:
+        raise ConfigError("algorithm.critic_warmup_steps > 0 needs a critic; set critic.enabled=true or the"
+                          " warm-up to 0")
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+def _check_files(cfg: RunConfig) -> None:
+    for where, paths in (("data.files", cfg.data.files), ("validation.files", cfg.validation.files)):
+        for path in paths:
+            if not os.path.exists(path):
+                raise ConfigError(f"{where}: {path!r} does not exist (cwd {os.getcwd()}); fix the path, or pass"
+                                  " --no-check-paths if it only exists on the cluster")
+    resume = cfg.trainer.resume
+    if resume not in RESUME_MODES and not os.path.exists(resume):
+        raise ConfigError(f"trainer.resume={resume!r} is neither auto, never nor an existing checkpoint path")
+    for where, path in _model_paths(cfg).items():
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{where}={path!r} has no config.json; point it at a HuggingFace checkpoint"
+                              " directory (or pass --no-check-paths if it only exists on the cluster)")
+
+
+def _model_paths(cfg: RunConfig) -> dict[str, str]:
+    paths = {"model.hf_path": cfg.model.hf_path}
+    for role in ("critic", "ref", "reward_model"):
+        path = getattr(cfg, role).hf_path
+        if path:
+            paths[f"{role}.hf_path"] = path
+    tokenizer = cfg.model.tokenizer_path
+    if tokenizer and not os.path.isdir(tokenizer):
+        raise ConfigError(f"model.tokenizer_path={tokenizer!r} is not a directory")
+    return paths
+
+
+def _role_model_path(cfg: RunConfig, role: str) -> str:
+    own = None if role == "actor" else getattr(cfg, role).hf_path
+    return own or cfg.model.hf_path
+
+
+def _check_models(cfg: RunConfig, derived: Derived) -> None:
+    """Each role's layout against its model's layers/heads; the rollout TP; prompt + response vs context."""
+    from megarl.models.hf_config import describe_hf_config, load_hf_config
+
+    dims_by_path = {}
+    for role in derived.roles:
+        path = _role_model_path(cfg, role)
+        if path not in dims_by_path:
+            try:
+                dims_by_path[path] = describe_hf_config(load_hf_config(path))
+            except (ValueError, FileNotFoundError) as err:
+                raise ConfigError(f"{role} model {path}: {err}") from None
+        dims = dims_by_path[path]
+        try:
+            getattr(cfg, role).layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads,
+                                                  num_kv_heads=dims.num_kv_heads)
+        except LayoutError as err:
+            raise ConfigError(f"{role}.layout does not fit {path}: {err}") from None
+    _check_rollout_model(cfg, dims_by_path[cfg.model.hf_path])
+
+
+def _check_rollout_model(cfg: RunConfig, dims) -> None:
+    tp = cfg.rollout.tp
+    if dims.num_heads % tp or (dims.num_kv_heads % tp and tp % dims.num_kv_heads):
+        raise ConfigError(f"rollout.tp={tp} does not fit the model's num_attention_heads={dims.num_heads} /"
+                          f" num_key_value_heads={dims.num_kv_heads}: tp must divide the heads and divide"
+                          " (or be a multiple of) the KV heads")
+    context = cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    needed = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if needed > context or context > dims.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_tokens + rollout.max_response_tokens = {cfg.data.max_prompt_tokens} +"
+                          f" {cfg.rollout.max_response_tokens} = {needed} must fit in rollout.max_model_len={context}"
+                          f" <= the model's max_position_embeddings={dims.max_position_embeddings}; shorten them")
+
+
+def resolve_max_model_len(cfg: RunConfig) -> int:
+    """The rollout engine's context length (rollout.max_model_len, or prompt + response budget)."""
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+
+
+def describe(derived: Derived) -> str:
+    """One line of derived sizes for logs and `megarl config`."""
+    dps = ", ".join(f"{r} dp={derived.role_dp[r]}/{derived.role_world[r]} GPUs" for r in derived.roles)
+    ups = ", ".join(f"{r} {n} updates x {derived.samples_per_update[r]} samples"
+                    for r, n in derived.updates_per_step.items())
+    return (f"roles: {dps}; {derived.samples_per_step} samples/step; {ups}; "
+            f"{derived.rollout_engines} rollout engine(s)")
+
+
+__all__ = ["Derived", "active_roles", "derive", "describe", "estimator_reads_values", "kl_enabled",
+           "pool_sizes", "resolve_max_model_len", "validate"]

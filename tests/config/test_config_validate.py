@@ -1,0 +1,124 @@
+"""validate(cfg): bad configs fail up front, in milliseconds, naming the field and the fix."""
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, derive, load_config, validate
+from megarl.data.tasks import write_task_splits
+from megarl.testing.models import tiny_hf_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+QUICKSTARTS = ("grpo_quickstart.yaml", "ppo_quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """A tiny qwen2 config.json (4 heads, 2 KV heads, 2 layers) and arithmetic train/test parquet."""
+    root = tmp_path_factory.mktemp("local")
+    tiny_hf_config("qwen2").save_pretrained(root / "model")
+    paths = write_task_splits("arithmetic", 40, str(root / "data"))
+    return {"model": str(root / "model"), "train": paths["train"], "test": paths["test"]}
+
+
+def _local_overrides(local) -> list[str]:
+    return [f"model.hf_path={local['model']}", f"data.files=[{local['train']}]", f"validation.files=[{local['test']}]"]
+
+
+def _cfg(local, *overrides, file="grpo_quickstart.yaml"):
+    return load_config(CONFIGS / file, [*_local_overrides(local), *overrides])
+
+
+def test_all_four_configs_ship():
+    assert {"grpo_quickstart.yaml", "ppo_quickstart.yaml", "qwen2.5-7b_grpo_gsm8k.yaml", "llama3-70b_ppo.yaml"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_validates_without_local_paths(name):
+    derived = validate(load_config(CONFIGS / name), check_paths=False)
+    assert derived.samples_per_step > 0
+    header = "".join(line for line in (CONFIGS / name).read_text().splitlines(True) if line.startswith("#"))
+    assert "megarl train --config" in header or "sbatch " in header, f"{name}: document its launch command"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b_grpo_gsm8k.yaml", "llama3-70b_ppo.yaml"])
+def test_cluster_config_with_path_checks_names_the_missing_file(name):
+    with pytest.raises(ConfigError, match=r"data\.files: '/data/.*' does not exist.*--no-check-paths"):
+        validate(load_config(CONFIGS / name), check_paths=True)
+
+
+@pytest.mark.parametrize("name", QUICKSTARTS)
+def test_quickstart_validates_with_local_files_fast(local, name):
+    cfg = _cfg(local, file=name)
+    start = time.perf_counter()
+    derived = validate(cfg)
+    assert time.perf_counter() - start < 1.0
+    assert derived.role_world["actor"] == 2 and derived.role_dp["actor"] == 1
+    if name.startswith("ppo"):
+        assert derived.roles == ("actor", "ref", "critic") and derived.role_dp["critic"] == 2
+
+
+def test_derived_sizes_of_the_70b_config():
+    derived = derive(load_config(CONFIGS / "llama3-70b_ppo.yaml"))
+    assert derived.role_world["actor"] == 64 and derived.role_dp["actor"] == 2  # TP8 x PP4
+    assert derived.samples_per_step == 256 * 4
+    assert derived.updates_per_step["actor"] == 4 and derived.samples_per_update["actor"] == 64 * 4
+    assert derived.rollout_engines == 8
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # batch arithmetic: which numbers do not divide
+    (["resources.gpus_per_node=8", "actor.layout.tp=1", "trainer.prompts_per_step=3", "rollout.samples_per_prompt=2"],
+     r"trainer\.prompts_per_step \* rollout\.samples_per_prompt = 3 \* 2 = 6\) is not divisible by actor's"
+     r" data-parallel size 8"),
+    (["actor.prompts_per_update=3"], r"actor\.prompts_per_update=3 does not divide trainer\.prompts_per_step=8"),
+    (["actor.layout.tp=1", "actor.prompts_per_update=1", "rollout.samples_per_prompt=1"],
+     r"samples per update \(actor\.prompts_per_update \* rollout\.samples_per_prompt = 1 \* 1 = 1\) is not"
+     r" divisible by actor's data-parallel size 2"),
+    # layouts vs GPUs and vs the model
+    (["actor.layout.pp=3"], r"actor\.layout: tp\*pp\*cp = 2\*3\*1 = 6 does not divide the 2 GPUs of pool 'main'"),
+    (["resources.gpus_per_node=8", "actor.layout.tp=8"], r"actor\.layout does not fit .*num_attention_heads=4 is not divisible by tp=8"),
+    (["resources.gpus_per_node=4", "actor.layout.tp=4"], r"num_key_value_heads=2 is not divisible by tp=4"),
+    (["resources.gpus_per_node=4", "actor.layout.tp=1", "actor.layout.pp=4"], r"num_hidden_layers=2 is not divisible by pp\*vpp"),
+    (["actor.layout.tp=4"], r"actor\.layout\.tp=4 > resources\.gpus_per_node=2"),
+    (["rollout.tp=8", "resources.gpus_per_node=8"], r"rollout\.tp=8 does not fit the model's num_attention_heads=4"),
+    (["resources.pools={main: 3}"], r"resources\.pools asks for 3 GPUs .* = 1 \* 2 = 2"),
+    (["rollout.mode=server"], r"rollout\.mode=server needs its own pool"),
+    (["critic.enabled=true", "critic.pool=spare"], r"critic\.pool='spare' is not a pool; pools: \['main'\]"),
+    # algorithm names and combinations
+    (["algorithm.advantage.estimator=grpp"], r"algorithm\.advantage\.estimator: unknown advantage estimator 'grpp';"
+                                             r" valid names: dr_grpo, gae, grpo"),
+    (["algorithm.policy_loss.name=ppo"], r"algorithm\.policy_loss\.name: unknown policy loss 'ppo'; valid names: cispo, gspo, ppo_clip"),
+    (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: unknown loss aggregation 'mean'"),
+    (["algorithm.kl_loss.estimator=k9"], r"algorithm\.kl_loss\.estimator: unknown KL estimator 'k9'"),
+    (["algorithm.advantage.estimator=gae"], r"estimator='gae' needs critic values but critic\.enabled is false; set critic\.enabled=true"),
+    (["algorithm.kl_loss.coef=0.1", "ref.enabled=false"], r"a KL term is on .* ref\.enabled=false"),
+    (["reward.reward_fn=no_such_reward"], r"reward\.reward_fn: unknown reward 'no_such_reward'"),
+    (["algorithm.critic_warmup_steps=100"], r"algorithm\.critic_warmup_steps=100 must be in \[0, trainer\.total_steps=60\)"),
+    # files and lengths
+    (["data.files=[nowhere/train.parquet]"], r"data\.files: 'nowhere/train\.parquet' does not exist"),
+    (["model.hf_path=nowhere"], r"model\.hf_path='nowhere' has no config\.json"),
+    (["rollout.max_response_tokens=500"], r"96 \+ 500 = 596 must fit .* max_position_embeddings=256"),
+    (["trainer.loggers=[console, mlflow]"], r"trainer\.loggers=.*valid loggers are console, jsonl, tensorboard, wandb"),
+    (["rollout.engine=sglang"], r"rollout\.engine='sglang'; pick one of auto, vllm, embedded"),
+])
+def test_bad_config_fails_naming_the_field(local, overrides, message):
+    cfg = _cfg(local, *overrides)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_ppo_needs_a_critic_and_gets_a_ref_for_the_kl_reward(local):
+    derived = validate(_cfg(local, "algorithm.advantage.estimator=gae", "critic.enabled=true",
+                            "algorithm.kl_reward.coef=0.05"))
+    assert derived.roles == ("actor", "ref", "critic")
+    assert validate(_cfg(local)).roles == ("actor",)  # GRPO without KL: no ref, no critic
+
+
+def test_rollout_server_pool(local):
+    derived = validate(_cfg(local, "resources.gpus_per_node=4", "resources.pools={main: 2, rollout: 2}",
+                            "rollout.mode=server", "rollout.pool=rollout", "rollout.tp=1"))
+    assert derived.pool_gpus == {"main": 2, "rollout": 2} and derived.rollout_engines == 2
