@@ -25,7 +25,7 @@ def model_and_optimizer_tensors(model_chunks, optimizer=None) -> list[torch.Tens
             tensors += [t for t in (param, getattr(param, "main_grad", None), param.grad) if t is not None]
         for buffer in _ddp_buffers(chunk):
             tensors += [t for t in (buffer.param_data, buffer.grad_data) if t is not None]
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 tensors += [t for t in (param, param.grad) if t is not None]
@@ -40,12 +40,12 @@ def _ddp_buffers(chunk) -> list:
     return buffers + list(getattr(chunk, "expert_parallel_buffers", [])) if isinstance(buffers, list) else []
 
 
-def _inner_optimizers(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
     """The torch optimizers under megatron's (chained / distributed / mixed-precision) wrappers."""
     if optimizer is None:
         return []
     if hasattr(optimizer, "chained_optimizers"):
-        return [o for chained in optimizer.chained_optimizers for o in _inner_optimizers(chained)]
+        return [o for chained in optimizer.chained_optimizers for o in inner_optimizers(chained)]
     inner = getattr(optimizer, "optimizer", None)
     return [inner] if inner is not None else []
 

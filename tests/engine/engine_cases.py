@@ -140,3 +140,57 @@ def offload_rank(hf, steps):
         moved.engine.onload()
     weights = [{n: t.clone() for n, t in a.engine.hf_weights()} for a in (plain, moved)]
     return curves, freed, weights
+
+
+def scheduled_adam():
+    from megarl.engine.config import OptimConfig
+
+    return OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, decay_style="linear", clip_grad=1.0,
+                       weight_decay=0.01)
+
+
+def _steps(actor, batch, n):
+    return [(m["loss"], m["grad_norm"], m["lr"]) for m in (actor.update(batch) for _ in range(n))]
+
+
+def checkpoint_rank(hf, root, save_at, total):
+    """Train `total` steps saving at `save_at`; resume at the same layout and at PP2; a failed save leaves nothing."""
+    from pathlib import Path
+
+    from megarl.engine import checkpoint
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    batch, ckpt = padded_batch(), f"{root}/ckpt"
+    actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
+    first = _steps(actor, batch, save_at)
+    actor.engine.save_checkpoint(ckpt)
+    rest = _steps(actor, batch, total - save_at)
+    final = {n: t.clone() for n, t in actor.engine.hf_weights()}
+    actor.engine.export_hf(f"{root}/hf_export")
+    final_logp = actor.compute_log_probs(batch)["log_probs"]
+
+    resumed = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    meta = resumed.engine.load_checkpoint(ckpt)
+    again = _steps(resumed, batch, total - save_at)
+    same_weights = all(torch.equal(t, final[n]) for n, t in resumed.engine.hf_weights())
+
+    other = Actor(build(hf, ParallelLayout(pp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    other.engine.load_checkpoint(ckpt)
+    other_steps = _steps(other, batch, 1)
+
+    def broken_meta(engine):
+        raise RuntimeError("simulated crash during save")
+
+    checkpoint._meta, real_meta = broken_meta, checkpoint._meta
+    try:
+        actor.engine.save_checkpoint(ckpt)
+        crashed = False
+    except RuntimeError:
+        crashed = True
+    finally:
+        checkpoint._meta = real_meta
+    leftovers = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("."))
+    return {"first": first, "rest": rest, "again": again, "same_weights": same_weights, "meta": meta,
+            "other": other_steps, "crashed": crashed, "leftovers": leftovers,
+            "step_after_load": resumed.engine.step - len(again), "final_logp": final_logp}

@@ -1,0 +1,247 @@
+"""Training checkpoints of an engine (model, optimizer, LR scheduler, RNG, step) and HF export.
+
+Owns: `save_checkpoint`, `load_checkpoint` and `export_hf`. Checkpoints go through megatron-core
+`dist_checkpointing` (torch_dist): the model's sharded state dict plus the distributed optimizer's
+`fully_reshardable` state, so a checkpoint written at one TP/PP/DP layout loads at another.
+The RNG states are per rank and are restored only when the layout and world size are unchanged
+(a different layout has different ranks; the RNG matters only for dropout, which is 0 here).
+
+Writes are atomic: every rank writes into a hidden staging directory next to the target, rank 0
+writes `megarl_checkpoint.json` (the marker) last and renames the directory into place, so a
+crash mid-save never leaves a directory that looks complete (and never harms an older one).
+
+Saving and loading are collective over the whole torch.distributed world (dist_checkpointing's
+default), so the role must span every rank. Must not import vLLM or Ray.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.models.convert import MARKER, read_metadata, save_strategy
+from megarl.models.hf_io import HFShardWriter, write_index
+from megarl.utils.atomic import check_target, commit_directory, staging_path
+
+FORMAT_VERSION = 1
+# 'fully_reshardable' loads at any TP/PP/DP. (megatron-core 0.19.2's default, 'fully_sharded_model_space',
+# fails: it still passes `flattened_range`, which 0.19.2's ShardedTensor rejects.)
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _model_state(engine) -> dict:
+    metadata = {"dp_cp_group": engine.groups.pg.dp_cp}
+    chunks = engine.chunks
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_object(value):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", value, (world,), (rank,), replica_id=0)
+
+
+def _init_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its per-parameter state (step, moments) so megatron can build the
+    loading state dict: with torch's Adam (no TE/apex) megatron-core 0.19.2 reads `state[p]["step"]`
+    of every parameter and asserts before the first step has created it."""
+    from megarl.engine.offload import inner_optimizers
+
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param.data),
+                                 exp_avg_sq=torch.zeros_like(param.data))
+
+
+def _distributed_optimizers(optimizer) -> list:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in chained if hasattr(o, "_set_main_param_and_optimizer_states")]
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fix(optimizer):
+    """Work around megatron-core 0.19.2 loading 'fully_reshardable' state into torch's Adam.
+
+    `_set_main_param_and_optimizer_states` copies every tensor of the parameter's Adam state,
+    including torch Adam's per-parameter `step`, from a source that (by design) has no `step`
+    (it is restored from the param groups) and raises KeyError. While loading, each call hides
+    `step` from the state it copies into and puts it back after. Megatron also restores one
+    `step` tensor shared by every parameter, which torch's Adam would then increment once per
+    parameter per step: each parameter gets its own copy afterwards. TE/apex FusedAdam (GPU) keeps
+    no per-parameter step and never takes this path. Remove when megatron handles both.
+    """
+    patched = _distributed_optimizers(optimizer)
+    for dist_opt in patched:
+        dist_opt._set_main_param_and_optimizer_states = functools.partial(_set_states_without_step, dist_opt)
+    try:
+        yield
+    finally:
+        for dist_opt in patched:
+            del dist_opt._set_main_param_and_optimizer_states
+        _unshare_steps(optimizer)
+
+
+def _unshare_steps(optimizer) -> None:
+    from megarl.engine.offload import inner_optimizers
+
+    for inner in inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _set_states_without_step(dist_opt, model_param, tensors):
+    group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+    main_param = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+    state = dist_opt.optimizer.state[main_param]
+    step = state.pop("step", None)
+    try:
+        type(dist_opt)._set_main_param_and_optimizer_states(dist_opt, model_param, tensors)
+    finally:
+        if step is not None:
+            state["step"] = step
+
+
+def _full_state(engine, *, loading: bool, with_rng: bool) -> dict:
+    state = _model_state(engine)
+    if engine.optimizer is not None:
+        if loading:
+            _init_adam_state(engine.optimizer)
+        state["optimizer"] = engine.optimizer.sharded_state_dict(state, is_loading=loading, metadata=_OPTIM_METADATA)
+        state["scheduler"] = engine.scheduler.state_dict()
+    state["step"] = engine.step
+    if with_rng:
+        state["rng_state"] = _rng_object(_rng_state() if not loading else None)
+    return state
+
+
+def _meta(engine) -> dict:
+    return {"format_version": FORMAT_VERSION, "kind": "train-state", "step": engine.step,
+            "layout": dataclasses.asdict(engine.config.layout), "world_size": dist.get_world_size(),
+            "has_optimizer": engine.optimizer is not None, "model_type": engine.bridge.dims.model_type}
+
+
+def _staging_dir(target: Path) -> Path:
+    box = [None]
+    if dist.get_rank() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = str(staging_path(target))
+        Path(box[0]).mkdir()
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _copy_hf_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in _HF_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _publish(staging: Path, target: Path, meta: dict) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (staging / MARKER).write_text(json.dumps(meta, indent=2))
+        commit_directory(staging, target, MARKER)
+    dist.barrier()
+
+
+def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
+    """Write model, optimizer, scheduler, RNG and step into `path` atomically (collective)."""
+    from megatron.core import dist_checkpointing
+
+    target = check_target(path, overwrite)
+    staging = _staging_dir(target)
+    try:
+        dist_checkpointing.save(_full_state(engine, loading=False, with_rng=True), str(staging),
+                                sharded_strategy=save_strategy())
+        if dist.get_rank() == 0:
+            _copy_hf_files(Path(engine.hf_path), staging / "hf")
+        meta = _meta(engine)
+        _publish(staging, target, meta)
+        return meta
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_checkpoint(engine, path) -> dict:
+    """Restore a checkpoint written by `save_checkpoint`, at this engine's layout (any TP/PP/DP)."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.models.convert import load_model_state
+
+    meta = read_metadata(path)
+    same_layout = meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
+    if engine.optimizer is not None and not meta.get("has_optimizer", True):
+        raise ValueError(f"{path} holds no optimizer state; it cannot resume training")
+    loaded = dist_checkpointing.load(_full_state(engine, loading=True, with_rng=same_layout), str(path))
+    load_model_state(engine.chunks, loaded)
+    if engine.optimizer is not None:
+        with _torch_adam_step_fix(engine.optimizer):
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    engine.step = int(loaded["step"])
+    return meta
+
+
+def export_hf(engine, path, *, overwrite: bool = True) -> dict:
+    """Write the engine's weights as an HF safetensors checkpoint (+ config and tokenizer files), atomically."""
+    target = check_target(path, overwrite)
+    staging = _staging_dir(target)
+    groups = engine.groups
+    writes = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
+    prefix = f"model-pp{groups.pp_rank:03d}" if engine.config.layout.pp > 1 else "model"
+    writer = HFShardWriter(staging, prefix=prefix)
+    for name, tensor in engine.hf_weights():
+        if writes:
+            writer.add(name, tensor)
+    writer.flush()
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
+    summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
+    if dist.get_rank() == 0:
+        write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
+        _copy_hf_files(Path(engine.hf_path), staging)
+    _publish(staging, target, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step})
+    return summary
