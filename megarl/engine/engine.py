@@ -47,9 +47,10 @@ class MegatronEngine:
     def __init__(self, hf_path, config: EngineConfig, groups: RoleGroups, *, value_head: bool = False,
                  load_weights: bool = True):
         self.config, self.groups, self.hf_path = config, groups, str(hf_path)
+        _check_groups(config, groups)
+        validate_engine_config(hf_path, config, groups.world_size)
         self.bridge = ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype),
                                                value_head=value_head)
-        _check(config, groups, self.bridge)
         self.tf_config = self._transformer_config()
         chunks = self.bridge.build(groups.pp_rank, config=self.tf_config, pg_collection=groups.pg)
         if load_weights:
@@ -240,15 +241,25 @@ class MegatronEngine:
         return model_and_optimizer_tensors(self.model, self.optimizer)
 
 
-def _check(config: EngineConfig, groups: RoleGroups, bridge: ModelBridge) -> None:
+def validate_engine_config(hf_path, config: EngineConfig, world_size: int) -> ModelBridge:
+    """Every check that needs no process group or weight: run it before launching a role.
+
+    Raises LayoutError when the layout does not divide the world or the model's heads / layers,
+    NotImplementedError for context parallelism, and the bridge's errors for bad HF configs.
+    """
+    check_layout(config.layout, world_size)
+    if config.layout.cp > 1:
+        raise NotImplementedError(
+            f"layout.cp={config.layout.cp}: context parallelism needs packed (THD) sequences with Transformer"
+            " Engine attention (GPU); the engine does not split sequences over CP ranks yet — use cp=1")
+    return ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype))
+
+
+def _check_groups(config: EngineConfig, groups: RoleGroups) -> None:
     if not groups.is_member:
         raise ValueError("this rank is not part of the role's ranks; build engines only on member ranks")
     if config.layout != groups.layout:
         raise ValueError(f"engine layout {config.layout} differs from its process groups' {groups.layout}")
-    check_layout(config.layout, groups.world_size)
-    if config.layout.cp > 1:
-        raise NotImplementedError("context parallelism needs packed (THD) sequences with Transformer Engine"
-                                  " attention; the engine does not split sequences over CP ranks yet")
 
 
 def with_global_denominators(batch: Batch, groups: RoleGroups) -> Batch:
