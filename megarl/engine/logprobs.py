@@ -45,17 +45,33 @@ def _valid_columns(shard_vocab: int, start: int, vocab_size: Optional[int]) -> i
     return max(0, min(shard_vocab, vocab_size - start))
 
 
-def _chunk_forward(x: torch.Tensor, target: torch.Tensor, start: int, valid: int, group):
-    """(log p(target), log Z, entropy) of one chunk of float32 logits x [c, V/tp] (padding masked)."""
-    x[:, valid:] = float("-inf")
-    local_max = x.max(dim=-1).values
-    global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
-    exp = (x - global_max.unsqueeze(-1)).exp_()
-    x_real = x[:, :valid]
-    sums = torch.stack([exp.sum(-1), (exp[:, :valid] * x_real).sum(-1), _target_logit(x, target, start)])
-    sum_exp, sum_exp_x, target_logit = _all_reduce(sums, dist.ReduceOp.SUM, group)
+def _scaled(chunk: torch.Tensor, valid: int, temperature: float) -> torch.Tensor:
+    """float32 copy of the real-vocabulary columns of a chunk of logits, divided by the temperature."""
+    x = chunk[:, :valid].float()
+    if x.data_ptr() == chunk.data_ptr():
+        x = x.clone()
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a[i, v]·b[i, v] per row without an [rows × vocab] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _chunk_forward(x: torch.Tensor, target: torch.Tensor, start: int, group):
+    """(log p(target), log Z, entropy) of one chunk; x [c, valid] float32 logits of this shard (overwritten).
+
+    Sums run over x − max (all ≤ 0), so the entropy Σ p·(x − max) has no cancellation.
+    """
+    target_logit = _target_logit(x, target, start)
+    local_max = x.max(dim=-1).values if x.shape[1] else x.new_full((x.shape[0],), float("-inf"))
+    global_max = _all_reduce(local_max, dist.ReduceOp.MAX, group)
+    centred = x.sub_(global_max.unsqueeze(-1))
+    exp = centred.exp()
+    sums = torch.stack([exp.sum(-1), _row_dot(exp, centred), target_logit])
+    sum_exp, sum_exp_centred, target_logit = _all_reduce(sums, dist.ReduceOp.SUM, group)
     log_z = global_max + sum_exp.log()
-    entropy = log_z - sum_exp_x / sum_exp
+    entropy = sum_exp.log() - sum_exp_centred / sum_exp
     return target_logit - log_z, log_z, entropy
 
 
@@ -63,20 +79,23 @@ def _target_logit(x: torch.Tensor, target: torch.Tensor, start: int) -> torch.Te
     """x[target] on the rank whose shard holds it, 0 elsewhere (summed over TP afterwards)."""
     local = target - start
     inside = (local >= 0) & (local < x.shape[-1])
+    if not x.shape[-1]:
+        return torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
     picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     return torch.where(inside, picked, torch.zeros_like(picked))
 
 
-def _chunk_backward(x, target, start, valid, log_z, entropy, g_logp, g_entropy):
-    """∂loss/∂x for one chunk (float32, before the temperature factor)."""
-    x[:, valid:] = float("-inf")
-    probs = (x - log_z.unsqueeze(-1)).exp_()
-    mean_x = (log_z - entropy).unsqueeze(-1)
-    centred = torch.where(probs > 0, x - mean_x, torch.zeros_like(x))
-    grad = probs.mul_(-(g_logp.unsqueeze(-1) + g_entropy.unsqueeze(-1) * centred))
+def _chunk_backward(x, target, start, log_z, entropy, g_logp, g_entropy):
+    """∂loss/∂x for one chunk (float32, before the temperature factor); x [c, valid] is overwritten.
+
+    With log p = x − log Z:  ∂/∂x_v = p_v · (−g_logp − g_H · (log p_v + H)) + g_logp · 1[v = y].
+    """
+    log_p = x.sub_(log_z.unsqueeze(-1))
+    probs = log_p.exp()
+    offset = -g_logp - g_entropy * entropy
+    grad = probs.mul_(log_p.mul_(-g_entropy.unsqueeze(-1)).add_(offset.unsqueeze(-1)))
     local = target - start
-    inside = (local >= 0) & (local < x.shape[-1])
-    rows = inside.nonzero().squeeze(-1)
+    rows = ((local >= 0) & (local < x.shape[-1])).nonzero().squeeze(-1)
     grad[rows, local[rows]] += g_logp[rows]
     return grad
 
@@ -89,8 +108,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         valid = _valid_columns(flat.shape[-1], start, vocab_size)
         outs = [torch.empty(tgt.shape, dtype=torch.float32, device=logits.device) for _ in range(3)]
         for lo in range(0, flat.shape[0], chunk_tokens):
-            x = flat[lo:lo + chunk_tokens].float() / temperature
-            for out, value in zip(outs, _chunk_forward(x, tgt[lo:lo + chunk_tokens], start, valid, group)):
+            x = _scaled(flat[lo:lo + chunk_tokens], valid, temperature)
+            for out, value in zip(outs, _chunk_forward(x, tgt[lo:lo + chunk_tokens], start, group)):
                 out[lo:lo + chunk_tokens] = value
         log_probs, log_z, entropy = outs
         ctx.save_for_backward(logits, target, log_z, entropy)
@@ -105,12 +124,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         g_logp = _grad_or_zeros(g_logp, tgt).reshape(-1).float()
         g_entropy = _grad_or_zeros(g_entropy, tgt).reshape(-1).float()
         grad = torch.empty_like(flat)
+        grad[:, valid:] = 0  # vocabulary padding
         for lo in range(0, flat.shape[0], chunk_tokens):
             hi = lo + chunk_tokens
-            x = flat[lo:hi].float() / temperature
-            part = _chunk_backward(x, tgt[lo:hi], start, valid, log_z[lo:hi], entropy[lo:hi], g_logp[lo:hi],
-                                   g_entropy[lo:hi])
-            grad[lo:hi] = part.div_(temperature)
+            x = _scaled(flat[lo:hi], valid, temperature)
+            part = _chunk_backward(x, tgt[lo:hi], start, log_z[lo:hi], entropy[lo:hi], g_logp[lo:hi], g_entropy[lo:hi])
+            grad[lo:hi, :valid] = part.div_(temperature) if temperature != 1.0 else part
         return grad.view(logits.shape), None, None, None, None, None
 
 
