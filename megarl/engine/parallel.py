@@ -8,9 +8,9 @@ depends on megatron's global `parallel_state`.
 Rank order inside a role is megatron's default "tp-cp-ep-dp-pp" (TP fastest, PP slowest), the
 same as `initialize_model_parallel`, so checkpoints and conversion tools agree on who holds what.
 
-Global state: a few megatron-core 0.19.2 paths still read `parallel_state` even when groups are
-passed explicitly (see `init_global_state`); the engine initialises the global state once per
-process with the layout of the first role and passes explicit groups everywhere else.
+Global state: megatron's `initialize_model_parallel` is never called; `init_global_state` sets up
+the only two process-wide pieces megatron-core 0.19.2 still needs (attention workspace buffer, RNG
+tracker), neither of which depends on a layout.
 
 Must not import vLLM or Ray. Creating groups is collective: every process of the world calls
 `build_role_groups` for every role, in the same order, even for roles it is not part of.
@@ -145,23 +145,24 @@ def _embedding_groups(pp_rank_lists: list[list[int]]) -> dict:
 
 
 def init_global_state(groups: RoleGroups, seed: int = 1234) -> None:
-    """Initialise megatron's global parallel state with one role's layout, and seed the RNGs.
+    """Set up the process-wide megatron-core state that no process-group collection replaces; seed RNGs.
 
-    Needed because megatron-core 0.19.2 still reads the global state in a few places even when
-    explicit groups are passed: `finalize_model_grads` (`_allreduce_replicated_grads_over_gtp_remat_group`
-    asks `parallel_state` for GTP groups), `model_parallel_cuda_manual_seed` (tp/ep ranks unless
-    given), and `dist_checkpointing`'s default validation (the whole world). None of these depend on
-    the role's TP/PP sizes here, so a second role with another layout is unaffected.
+    With every group passed explicitly, megatron-core 0.19.2 still needs two process-wide things,
+    neither tied to a layout (found by training TP2, PP2 and a TP1×DP2 critic, and saving a
+    checkpoint, without `initialize_model_parallel`):
+      * the global memory buffer (`parallel_state._GLOBAL_MEMORY_BUFFER`), the attention workspace of
+        the local-spec `DotProductAttention`;
+      * the model-parallel RNG tracker (`model_parallel_cuda_manual_seed`), one per process: its
+        TP-rank stream is seeded from the role given here (it only drives dropout and on-device
+        init, and dropout is 0 for RL fine-tuning; weights come from the checkpoint).
+    `parallel_state.initialize_model_parallel` is deliberately *not* called, so no role's layout is
+    global and any megatron code that still read it would fail loudly instead of using the wrong
+    groups. Call once per process, after building the first role's groups.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if not parallel_state.model_parallel_is_initialized():
-        layout = groups.layout
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-        )
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp_rank, ep_rank=groups.pg.ep.rank(),
                                                     etp_rank=groups.pg.expt_tp.rank(), force_reset_rng=True)
