@@ -12,7 +12,7 @@ package does not import Ray, megatron or vLLM.
 """
 from megarl.controller.dispatch import DPSplit, RankCoord, RankMesh, row_lengths
 from megarl.controller.resource_pool import RankSlot, ResourcePool, pools_from_config
-from megarl.controller.worker_group import DPCall, WorkerGroup, WorkerHost
+from megarl.controller.worker_group import DPCall, WorkerError, WorkerGroup, WorkerHost
 
-__all__ = ["DPCall", "DPSplit", "RankCoord", "RankMesh", "RankSlot", "ResourcePool", "WorkerGroup", "WorkerHost",
+__all__ = ["DPCall", "DPSplit", "RankCoord", "RankMesh", "RankSlot", "ResourcePool", "WorkerError", "WorkerGroup", "WorkerHost",
            "pools_from_config", "row_lengths"]

@@ -29,6 +29,15 @@ from megarl.controller.resource_pool import ResourcePool
 from megarl.data.batch import Batch
 
 
+class WorkerError(RuntimeError):
+    """A role method raised (or its worker died) on some rank; names the group, rank and call."""
+
+    def __init__(self, group: str, rank: int, cause: BaseException, failed_ranks: list[int]):
+        self.group, self.rank, self.cause, self.failed_ranks = group, rank, cause, failed_ranks
+        others = f" (also failed: ranks {failed_ranks[1:]})" if len(failed_ranks) > 1 else ""
+        super().__init__(f"group {group!r} rank {rank}: {type(cause).__name__}: {cause}{others}")
+
+
 class WorkerHost:
     """The body of every worker actor: rendezvous env, then role objects addressed by name."""
 
@@ -164,10 +173,31 @@ class WorkerGroup:
 
         Waits for every rank (so errors of non-collecting ranks surface too).
         """
+        results = self.get(call.refs, timeout=timeout)
+        return call.split.restore([_as_batch(results[r]) for r in call.mesh.collect_ranks()])
+
+    def get(self, refs: list, timeout: Optional[float] = None) -> list:
+        """Results of per-rank futures (index = rank); `WorkerError` names the lowest failing rank.
+
+        Unlike `ray.get`, which raises whichever error arrives first, this waits for every rank so
+        the reported error is deterministic and the others are listed.
+        """
         import ray
 
-        results = ray.get(call.refs, timeout=timeout)
-        return call.split.restore([_as_batch(results[r]) for r in call.mesh.collect_ranks()])
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            raise TimeoutError(f"group {self.name!r}: {len(pending)} of {len(refs)} ranks did not answer within"
+                               f" {timeout} s")
+        results, failed = [], []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                failed.append((rank, getattr(err, "cause", None) or err))
+                results.append(None)
+        if failed:
+            raise WorkerError(self.name, failed[0][0], failed[0][1], [r for r, _ in failed]) from failed[0][1]
+        return results
 
     def shutdown(self) -> None:
         """Kill the workers and release the pool's placement group."""

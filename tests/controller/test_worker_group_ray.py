@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megarl.controller import RankMesh, ResourcePool, WorkerGroup
+from megarl.controller import RankMesh, ResourcePool, WorkerError, WorkerGroup
 from megarl.data.batch import Batch
 from megarl.models.layout import ParallelLayout
 
@@ -50,59 +50,60 @@ def ray_session():
     ray.shutdown()
 
 
-def test_two_node_pool_sets_rendezvous_env_and_colocates_roles(ray_session):
+@pytest.fixture(scope="module")
+def group(ray_session):
+    """Two fake nodes x 2 GPUs, an actor and a critic role colocated in the same 4 processes."""
     group = WorkerGroup(ResourcePool([2, 2], cpus_per_worker=0.5, name="main"))
-    try:
-        group.add_role("actor", EchoRole, 10)
-        group.add_role("critic", EchoRole, scale=100)  # same processes, its own object
-        actor = ray.get(group.execute_all("actor.where"))
-        critic = ray.get(group.execute_all("critic.where"))
-        assert [a["pid"] for a in actor] == [c["pid"] for c in critic]
-        assert [a["RANK"] for a in actor] == ["0", "1", "2", "3"]
-        assert {a["WORLD_SIZE"] for a in actor} == {"4"} and len({a["MASTER_PORT"] for a in actor}) == 1
-        assert [a["LOCAL_RANK"] for a in actor] == ["0", "1", "0", "1"]
-        assert sorted(g for a in actor for g in a["gpu"]) == ["0", "1", "2", "3"]  # one fake GPU each
-        for a in actor:  # all GPUs of its bundle visible; LOCAL_RANK indexes its own
-            visible = a["CUDA_VISIBLE_DEVICES"].split(",")
-            assert len(visible) == 2 and visible[int(a["LOCAL_RANK"])] == a["gpu"][0]
-        assert ray.get(group.execute_rank0("critic.where"))["RANK"] == "0"
-        assert ray.get(group.execute_all("actor.all_reduce_ranks")) == [0 + 1 + 2 + 3] * 4  # a real gloo world
-    finally:
-        group.shutdown()
+    group.add_role("actor", EchoRole, 10)
+    group.add_role("critic", EchoRole, scale=100)  # same processes, its own object
+    yield group
+    group.shutdown()
 
 
-def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(ray_session):
-    group = WorkerGroup(ResourcePool([4], cpus_per_worker=0.5))
-    try:
-        group.add_role("actor", EchoRole, 10)
-        mask = torch.ones(8, 4, dtype=torch.long)
-        mask[::3, 2:] = 0  # uneven lengths: the split balances tokens
-        batch = Batch.from_dict({"row": torch.arange(8), "attention_mask": mask})
-        mesh = RankMesh(ParallelLayout(tp=2), 4)  # dp = 2: ranks (0,1) and (2,3)
-        call = group.dispatch("actor.forward", batch, mesh)
-        out = group.collect(call)
-        assert torch.equal(out["out"], torch.arange(8) * 10)  # back in input order
-        assert set(out["rank"].tolist()) == {0, 2}  # TP rank 0 of each DP shard
-        pp_mesh = RankMesh(ParallelLayout(pp=2), 4)  # dp = 2 over ranks (0, 2) / (1, 3); last stage 2, 3
-        assert set(group.collect(group.dispatch("actor.forward", batch, pp_mesh))["rank"].tolist()) == {2, 3}
-        with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 refuses"):
-            ray.get(group.execute_all("actor.fail"))
-        with pytest.raises(ray.exceptions.RayTaskError, match="no role 'critic'"):
-            ray.get(group.execute_rank0("critic.forward", batch))
-    finally:
-        group.shutdown()
+def test_two_node_pool_sets_rendezvous_env_and_colocates_roles(group):
+    actor = ray.get(group.execute_all("actor.where"))
+    critic = ray.get(group.execute_all("critic.where"))
+    assert [a["pid"] for a in actor] == [c["pid"] for c in critic]
+    assert [a["RANK"] for a in actor] == ["0", "1", "2", "3"]
+    assert {a["WORLD_SIZE"] for a in actor} == {"4"} and len({a["MASTER_PORT"] for a in actor}) == 1
+    assert [a["LOCAL_RANK"] for a in actor] == ["0", "1", "0", "1"]
+    assert sorted(g for a in actor for g in a["gpu"]) == ["0", "1", "2", "3"]  # one fake GPU each
+    for a in actor:  # all GPUs of its bundle visible; LOCAL_RANK indexes its own
+        visible = a["CUDA_VISIBLE_DEVICES"].split(",")
+        assert len(visible) == 2 and visible[int(a["LOCAL_RANK"])] == a["gpu"][0]
+    assert ray.get(group.execute_rank0("critic.where"))["RANK"] == "0"
+    assert ray.get(group.execute_all("actor.all_reduce_ranks")) == [0 + 1 + 2 + 3] * 4  # a real gloo world
 
 
-def test_separate_pools_and_a_pool_larger_than_the_cluster(ray_session):
-    actor_pool, rollout_pool = ResourcePool([2], cpus_per_worker=0.5, name="actor"), ResourcePool([2], cpus_per_worker=0.5, name="rollout")
-    actors, rollouts = WorkerGroup(actor_pool), WorkerGroup(rollout_pool)
+def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group):
+    mask = torch.ones(8, 4, dtype=torch.long)
+    mask[::3, 2:] = 0  # uneven lengths: the split balances tokens
+    batch = Batch.from_dict({"row": torch.arange(8), "attention_mask": mask})
+    mesh = RankMesh(ParallelLayout(tp=2), 4)  # dp = 2: ranks (0,1) and (2,3)
+    call = group.dispatch("actor.forward", batch, mesh)
+    out = group.collect(call)
+    assert torch.equal(out["out"], torch.arange(8) * 10)  # back in input order
+    assert set(out["rank"].tolist()) == {0, 2}  # TP rank 0 of each DP shard
+    pp_mesh = RankMesh(ParallelLayout(pp=2), 4)  # dp = 2 over ranks (0, 2) / (1, 3); last stage 2, 3
+    assert set(group.collect(group.dispatch("actor.forward", batch, pp_mesh))["rank"].tolist()) == {2, 3}
+    with pytest.raises(WorkerError, match=r"group 'main' rank 0: ValueError: rank 0 refuses"
+                                          r" \(also failed: ranks \[1, 2, 3\]\)"):
+        group.get(group.execute_all("actor.fail"))
+    with pytest.raises(WorkerError, match="rank 0: ValueError: 'reward.forward': no role 'reward' in this worker"):
+        group.get([group.execute_rank0("reward.forward", batch)])
+
+
+def test_separate_pools_and_a_pool_larger_than_the_cluster(ray_session, group):
+    group.shutdown()  # free the module group's GPUs
+    actors = WorkerGroup(ResourcePool([1], cpus_per_worker=0.5, name="actor"))
+    rollouts = WorkerGroup(ResourcePool([1], cpus_per_worker=0.5, name="rollout"))
     try:
         actors.add_role("actor", EchoRole, 1)
         rollouts.add_role("rollout", EchoRole, 2)
         gpus_a = {g for w in ray.get(actors.execute_all("actor.where")) for g in w["gpu"]}
         gpus_r = {g for w in ray.get(rollouts.execute_all("rollout.where")) for g in w["gpu"]}
-        assert len(gpus_a) == len(gpus_r) == 2 and not gpus_a & gpus_r
-        assert [w["RANK"] for w in ray.get(rollouts.execute_all("rollout.where"))] == ["0", "1"]  # own world
+        assert len(gpus_a) == len(gpus_r) == 1 and not gpus_a & gpus_r
+        assert [w["RANK"] for w in ray.get(rollouts.execute_all("rollout.where"))] == ["0"]  # its own world
     finally:
         actors.shutdown()
         rollouts.shutdown()
