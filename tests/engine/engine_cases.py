@@ -101,7 +101,7 @@ def adam(lr=1e-2):
     return OptimConfig(lr=lr, clip_grad=1.0)
 
 
-def colocated_rank(actor_hf, critic_hf, steps):
+def colocated_rank(actor_hf, critic_hf, steps, root):
     """Actor TP2 and critic TP1×DP2 in the same processes; a reference and a reward model beside them."""
     from megarl.engine.roles import Actor, Critic, Reference, RewardModel
     from megarl.engine.engine import MegatronEngine
@@ -119,8 +119,12 @@ def colocated_rank(actor_hf, critic_hf, steps):
     critic_rows = local_rows(critic.engine, batch)
     actor_losses = [actor.update(batch)["loss"] for _ in range(steps)]
     critic_losses = [critic.update(critic_rows)["loss"] for _ in range(steps)]
+    critic.engine.save_checkpoint(f"{root}/critic")  # a TP1xDP2 role beside a TP2 one
+    restored = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(), micro_batch_tokens=30))
+    restored.engine.load_checkpoint(f"{root}/critic")
     return {"start": start, "ref": ref, "scores": scores, "actor": actor_losses, "critic": critic_losses,
-            "critic_values": critic.compute_values(critic_rows), "critic_rows": critic_rows["input_ids"]}
+            "critic_values": critic.compute_values(critic_rows), "critic_rows": critic_rows["input_ids"],
+            "restored_values": restored.compute_values(critic_rows)}
 
 
 def offload_rank(hf, steps):

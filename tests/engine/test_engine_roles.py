@@ -17,9 +17,9 @@ def models(tmp_path_factory):
     return str(root / "actor"), str(root / "critic")
 
 
-def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transformers(models):
+def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transformers(models, tmp_path):
     actor_hf, critic_hf = models
-    per_rank = run_distributed(C.colocated_rank, 2, actor_hf, critic_hf, 4, timeout=300)
+    per_rank = run_distributed(C.colocated_rank, 2, actor_hf, critic_hf, 4, str(tmp_path), timeout=300)
     batch = C.padded_batch()
     mask = batch["response_mask"].bool()
     expected = C.hf_log_probs(actor_hf, batch)
@@ -30,6 +30,7 @@ def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transfo
         assert result["scores"].shape == (len(batch),) and result["scores"].isfinite().all()
         assert result["actor"][-1] < result["actor"][0], result["actor"]
         assert result["critic"][-1] < result["critic"][0], result["critic"]
+        assert torch.equal(result["restored_values"], result["critic_values"])  # critic checkpoint round trip
     rows = [r["critic_rows"] for r in per_rank]
     assert sorted(map(len, rows)) == [4, 4] and not torch.equal(rows[0], rows[1])  # DP2 split the batch
 
