@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.controller import DPSplit, RankMesh, ResourcePool, pools_from_config
+from megarl.controller import (
+    DPSplit, RankMesh, ResourcePool, local_ray_resources, plan_placement, pools_from_config, role_mesh,
+)
 from megarl.data.batch import Batch
 from megarl.models.layout import ParallelLayout
 
@@ -84,3 +86,15 @@ def test_pool_bundles_slots_and_pools_from_config():
     assert pools["main"].bundle_sizes == [8, 8] and pools["rollout"].bundle_sizes == [8]
     cpu = pools_from_config(load_config("configs/grpo_quickstart.yaml"))["main"]
     assert not cpu.use_gpu and cpu.bundles() == [{"CPU": 2.0}]
+
+
+def test_placement_plan_colocates_roles_and_puts_a_server_rollout_on_its_pool():
+    ppo = load_config("configs/ppo_quickstart.yaml")
+    assert plan_placement(ppo) == {"main": ["actor", "ref", "critic", "rollout"]}
+    assert role_mesh(ppo, "critic").dp_size == 2 and role_mesh(ppo, "actor").collect_ranks() == [0]
+    with pytest.raises(ValueError, match="role 'reward_model' is not active"):
+        role_mesh(ppo, "reward_model")
+    split = load_config("configs/qwen2.5-7b_grpo_gsm8k.yaml", [
+        "resources.nodes=2", "resources.pools={main: 8, gen: 8}", "rollout.mode=server", "rollout.pool=gen"])
+    assert plan_placement(split) == {"main": ["actor", "ref"], "gen": ["rollout"]}
+    assert local_ray_resources(load_config("configs/grpo_quickstart.yaml"))["num_gpus"] == 0

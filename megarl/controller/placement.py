@@ -1,0 +1,55 @@
+"""From a validated config to Ray: which roles share which pool's processes, each role's rank mesh,
+and how to start or join the Ray cluster.
+
+Owns: `plan_placement(cfg)` (pool -> roles built in its workers, in build order; a colocated
+rollout engine sits in the actor's pool), `role_mesh(cfg, role)` and `init_ray(cfg)`.
+Pure Python except `init_ray` (imports Ray when called).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megarl.config.validate import Derived, derive
+from megarl.controller.dispatch import RankMesh
+
+
+def plan_placement(cfg, derived: Optional[Derived] = None) -> dict[str, list[str]]:
+    """{pool: [roles]}: every active model role in its configured pool, plus "rollout" in its pool."""
+    derived = derived or derive(cfg)
+    plan: dict[str, list[str]] = {name: [] for name in derived.pool_gpus}
+    for role in derived.roles:
+        plan[getattr(cfg, role).pool].append(role)
+    plan[cfg.rollout.pool].append("rollout")
+    return {pool: roles for pool, roles in plan.items() if roles}
+
+
+def role_mesh(cfg, role: str, derived: Optional[Derived] = None) -> RankMesh:
+    """The rank mesh of a model role over its whole pool (the role spans every worker of its pool)."""
+    derived = derived or derive(cfg)
+    if role not in derived.roles:
+        raise ValueError(f"role {role!r} is not active in this config; active: {list(derived.roles)}")
+    return RankMesh(getattr(cfg, role).layout, derived.role_world[role])
+
+
+def local_ray_resources(cfg) -> dict:
+    """`ray.init` arguments for a single-machine run sized for the config's pools."""
+    res = cfg.resources
+    workers = sum(derive(cfg).pool_gpus.values())
+    kwargs = {"num_cpus": max(os.cpu_count() or 1, int(workers * res.cpus_per_worker + 0.999))}
+    if res.accelerator == "cpu":
+        kwargs["num_gpus"] = 0
+    return kwargs
+
+
+def init_ray(cfg, **overrides) -> None:
+    """Join `resources.ray_address` (e.g. the sbatch script's cluster), or start a local Ray for the config."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    common = {"include_dashboard": False, "log_to_driver": True, **overrides}
+    if cfg.resources.ray_address:
+        ray.init(address=cfg.resources.ray_address, **common)
+    else:
+        ray.init(**local_ray_resources(cfg), **common)
