@@ -1,4 +1,4 @@
-"""The `megarl` command: `convert`, `check-parity`, `config` (and, as they land, `train`, `eval`).
+"""The `megarl` command: `train`, `convert`, `check-parity`, `config` (and, as it lands, `eval`).
 
 Owns: argument parsing and turning the library's validation errors into one clear line and a
 non-zero exit code (no traceback for bad input). The work itself lives in the library.
@@ -56,13 +56,21 @@ def _config_parser(sub) -> None:
     config.add_argument("config", help="YAML file of overrides (configs/*.yaml)")
     config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.samples_per_prompt=8")
     config.add_argument("--validate-only", action="store_true", help="print only the derived sizes, not the YAML")
+    config.add_argument("--explain", action="store_true", help="put each field's docstring above it")
     config.add_argument("--no-check-paths", action="store_true",
                         help="skip checks that read local files (HF config.json, data): paths that exist only on the cluster")
+
+
+def _train_parser(sub) -> None:
+    train = sub.add_parser("train", help="run PPO / GRPO training (config validated before any worker starts)")
+    train.add_argument("--config", required=True, help="YAML file of overrides (configs/*.yaml)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20 actor.optim.lr=1e-6")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
     _convert_parser(sub)
     _parity_parser(sub)
     _config_parser(sub)
@@ -101,15 +109,27 @@ def _run_config(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if not args.validate_only:
-        print(dump_yaml(cfg), end="")
+        print(dump_yaml(cfg, comments=args.explain), end="")
     derived = validate(cfg, check_paths=not args.no_check_paths)
     print(f"# ok: {describe(derived)}")
     return 0
 
 
+def _run_train(args) -> int:
+    from megarl.config import describe, load_config, validate
+    from megarl.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    derived = validate(cfg)  # before ray.init: a bad config fails in seconds, naming the field
+    print(f"[megarl] {cfg.trainer.experiment}: {describe(derived)}", flush=True)
+    train(cfg, derived)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"convert": _run_convert, "check-parity": _run_parity, "config": _run_config}[args.command]
+    handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config}
+    handler = handlers[args.command]
     try:
         return handler(args)
     except _USER_ERRORS as err:

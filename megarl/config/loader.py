@@ -239,9 +239,26 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def dump_yaml(cfg: Any) -> str:
-    """The resolved config as YAML text, sections in schema order."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
+def dump_yaml(cfg: Any, comments: bool = False) -> str:
+    """The resolved config as YAML text, sections in schema order; `comments` puts each field's
+    docstring above it (what `megarl config --explain` prints and `save_resolved` writes)."""
+    if not comments:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
+    return "\n".join(_commented(cfg, 0)) + "\n"
+
+
+def _commented(obj: Any, depth: int) -> list[str]:
+    docs, pad, lines = field_docs(type(obj)), "  " * depth, []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if docs.get(f.name):
+            lines.append(f"{pad}# {' '.join(docs[f.name].split())}")
+        if dataclasses.is_dataclass(value):
+            lines += [f"{pad}{f.name}:", *_commented(value, depth + 1)]
+        else:
+            flow = yaml.safe_dump(_plain(value), default_flow_style=True, width=10_000).strip()
+            lines.append(f"{pad}{f.name}: {flow.removesuffix('...').strip()}")
+    return lines
 
 
 def save_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
@@ -251,7 +268,7 @@ def save_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.yaml
     target = run_dir / name
     tmp = run_dir / f".{name}.tmp.{os.getpid()}"
     tmp.write_text("# megarl resolved config: every field, defaults included. Rerun with\n"
-                   f"#   megarl train --config {target}\n" + dump_yaml(cfg))
+                   f"#   megarl train --config {target}\n\n" + dump_yaml(cfg, comments=True))
     os.replace(tmp, target)
     return target
 

@@ -31,3 +31,12 @@ def test_bad_override_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "did you mean rollout.samples_per_prompt?" in err
+
+
+def test_explain_documents_every_field(capsys):
+    assert main(["config", str(CONFIGS / "grpo_quickstart.yaml"), "--explain", "--no-check-paths"]) == 0
+    out = capsys.readouterr().out
+    assert "# Responses sampled per prompt (the GRPO group size).\n  samples_per_prompt: 8" in out
+    body = [ln for ln in out.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    commented = out.count("\n#") + out.count("\n  #") + out.count("\n    #")
+    assert commented >= len(body) - 1  # one docstring per key

@@ -99,3 +99,6 @@ def test_save_resolved_round_trips(tmp_path):
     assert again == cfg
     assert to_dict(again)["actor"]["optim"]["lr"] == 2e-5
     assert not list((tmp_path / "run").glob(".*tmp*"))  # no staging file left behind
+    text = path.read_text()  # every field documented in place, and still plain YAML
+    assert "  # Peak learning rate (reached after `warmup_steps`).\n    lr: 2.0e-05" in text
+    assert load_config(path) == cfg
