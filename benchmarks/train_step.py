@@ -1,0 +1,171 @@
+"""Benchmark: tokens/s (and MFU on CUDA) of an actor update through the Megatron engine, against a
+plain `transformers` + AdamW step on the same rows in the same run.
+
+    python benchmarks/train_step.py                         # CPU: 4 layers, hidden 256, 16 x 256 tokens
+    python benchmarks/train_step.py --quick                 # tiny, seconds
+    python benchmarks/train_step.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --vocab 128256 \\
+        --rows 64 --prompt 512 --response 1536 --micro-batch-tokens 16384    # on a GPU (bf16)
+
+megarl: `Actor.update` (PPO-clip, unpadded micro-batches packed by --micro-batch-tokens, vocab-parallel
+log-probs, megatron DDP + distributed Adam) on `--tp` ranks. Baseline: the HF model on the padded
+batch, `log_softmax` + gather, the same PPO-clip loss, `torch.optim.AdamW`. Both count real
+(unpadded) tokens; both run one warm-up step, then the best of --steps. Prints tokens/s, the ratio
+megarl / baseline, peak memory on CUDA, and MFU (model FLOPs 6·N·T + causal attention, over the
+GPU's dense bf16 peak) when CUDA is present.
+"""
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.testing.models import save_tiny_hf_model
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> Batch:
+    """Left-padded prompts of varying length + right-padded responses with PPO columns."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, prompt + response, dtype=torch.long)
+    response_mask = torch.zeros(rows, response, dtype=torch.long)
+    for r in range(rows):
+        p = prompt // 2 + int(torch.randint(0, prompt // 2 + 1, (1,), generator=gen))
+        t = response // 2 + int(torch.randint(0, response // 2 + 1, (1,), generator=gen))
+        mask[r, prompt - p:prompt + t] = 1
+        response_mask[r, :t] = 1
+    ids = torch.randint(3, vocab, mask.shape, generator=gen) * mask
+    return Batch({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+                  "old_log_probs": -torch.rand(rows, response, generator=gen) * 5,
+                  "advantages": torch.randn(rows, response, generator=gen)})
+
+
+def model_flops(hf_path, batch: Batch) -> float:
+    """6·N·T for the weights (forward + backward) plus 6·L·h·Σ s² / 2·2 for causal attention."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_path)
+    h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
+    lengths = batch["attention_mask"].sum(-1).double()
+    return float(6 * params * lengths.sum() + 6 * layers * h * (lengths ** 2).sum())
+
+
+def megarl_rank(hf_path, batch: Batch, args):
+    """Per rank: build the actor at TP=args.tp, one warm-up update, then time args.steps updates."""
+    from megarl.engine.config import EngineConfig, OptimConfig
+    from megarl.engine.engine import MegatronEngine
+    from megarl.engine.parallel import build_role_groups, init_global_state
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=args.tp)
+    groups = build_role_groups(layout)
+    init_global_state(groups)
+    config = EngineConfig(layout=layout, micro_batch_tokens=args.micro_batch_tokens, optim=OptimConfig(lr=1e-6))
+    actor = Actor(MegatronEngine(hf_path, config, groups))
+    return _timed_steps(lambda: actor.update(batch), args.steps)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed_steps(step, steps: int) -> dict:
+    step()  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        _sync()
+        start = time.perf_counter()
+        step()
+        _sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return {"seconds": min(times), "peak_bytes": peak}
+
+
+def hf_baseline(hf_path, batch: Batch, args) -> dict:
+    """The same update with transformers on the padded batch and torch AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    tensors = {k: v.to(device) for k, v in batch.tensors.items()}
+    return _timed_steps(lambda: _hf_step(model, optimizer, tensors), args.steps)
+
+
+def _hf_step(model, optimizer, t):
+    from megarl.algorithms import LossAggregation, PolicyLossConfig, PolicyLossInputs, get_policy_loss
+
+    response = t["response_mask"].shape[1]
+    positions = (t["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    logits = model(t["input_ids"], attention_mask=t["attention_mask"], position_ids=positions).logits
+    logits = logits[:, -response - 1:-1].float()
+    log_probs = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, -response:].unsqueeze(-1)).squeeze(-1)
+    inputs = PolicyLossInputs(log_probs, t["old_log_probs"], t["advantages"], t["response_mask"])
+    loss, _ = get_policy_loss("ppo_clip")(inputs, PolicyLossConfig(), LossAggregation.for_batch("token-mean", t["response_mask"]))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def report(args, hf_path, batch, ours, base) -> None:
+    tokens = int(batch["attention_mask"].sum())
+    print(f"model: {args.arch} layers={args.layers} hidden={args.hidden} vocab={args.vocab}; batch {args.rows} rows,"
+          f" {tokens} real tokens of {batch['input_ids'].numel()} (padded); tp={args.tp} threads={args.threads}")
+    for name, result in (("megarl engine", ours), ("transformers ", base)):
+        line = f"  {name}: {tokens / result['seconds']:10.0f} tokens/s  ({result['seconds'] * 1e3:.0f} ms/step)"
+        if torch.cuda.is_available():
+            line += f"  peak {result['peak_bytes'] / 2**30:.2f} GiB"
+            line += f"  MFU {_mfu(hf_path, batch, result['seconds'], args):.1%}"
+        print(line)
+    print(f"  ratio megarl / transformers = {base['seconds'] / ours['seconds']:.2f}x tokens/s")
+
+
+def _mfu(hf_path, batch, seconds, args) -> float:
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), float("nan"))
+    return model_flops(hf_path, batch) / seconds / (peak * 1e12 * args.tp)
+
+
+def main(args) -> None:
+    from megarl.utils.distributed import run_distributed
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_path = Path(tmp) / args.arch
+        save_tiny_hf_model(args.arch, hf_path, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                           num_kv_heads=args.kv_heads, intermediate_size=4 * args.hidden, vocab_size=args.vocab)
+        batch = synthetic_batch(args.rows, args.prompt, args.response, args.vocab)
+        ours = run_distributed(megarl_rank, args.tp, str(hf_path), batch, args,
+                               num_threads=max(1, args.threads // args.tp))[0]
+        base = hf_baseline(str(hf_path), batch, args)
+        report(args, hf_path, batch, ours, base)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in (("layers", 4), ("hidden", 256), ("heads", 4), ("kv-heads", 2), ("vocab", 32000),
+                          ("rows", 16), ("prompt", 64), ("response", 192), ("micro-batch-tokens", 2048),
+                          ("steps", 3), ("tp", 1), ("threads", 2)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak (default: by name)")
+    parser.add_argument("--quick", action="store_true", help="2 layers, hidden 64, 8 x 64 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.vocab, args.rows, args.prompt, args.response = 2, 64, 512, 8, 16, 48
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())
