@@ -11,8 +11,8 @@ was built from (safetensors headers: names and shapes), so a bad update loads no
 Sleep/wake: on GPU `llm.sleep(level=1)` offloads weights and drops the KV cache around training
 (needs `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and
 both are no-ops apart from refusing requests while asleep. Multi-process vLLM (GPU, TP > 1)
-cannot take a local iterator; it loads buckets through CUDA IPC handles (`sharding/ipc.py`,
-`MegarlWorkerExtension`).
+cannot take a local iterator; it loads buckets through IPC handles (`sharding/ipc.py`,
+`MegarlWorkerExtension`, installed as vLLM's `worker_extension_cls` on every engine).
 
 Stop behaviour: `ignore_eos=True`, generation stops only at `SamplingParams.stop_token_ids` (put
 the EOS id there), so both backends and `transformers` agree on what ends a completion.
@@ -45,10 +45,10 @@ class VLLMEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         kwargs = dict(model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
-                      enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager)
+                      enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager,
+                      worker_extension_cls=WORKER_EXTENSION)
         if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                          worker_extension_cls=WORKER_EXTENSION)
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
         kwargs.update(llm_kwargs)
@@ -68,6 +68,15 @@ class VLLMEngine(RolloutEngine):
         if self._tied:
             self.llm.collective_rpc(repack_tied_lm_head)
         self.llm.reset_prefix_cache()
+
+    def update_weights_by_ipc(self, address_template: str, authkey: bytes, *, specs) -> int:
+        """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
+        self.check_update(specs)
+        with self._lock:
+            self.llm.collective_rpc("megarl_reload_by_ipc", args=(address_template, authkey))
+            self.llm.reset_prefix_cache()
+            self.version += 1
+        return self.version
 
     def sleep(self) -> None:
         if self.on_gpu:

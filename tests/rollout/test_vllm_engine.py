@@ -144,3 +144,20 @@ def test_sleep_refuses_requests_until_wake_up(engine):
     finally:
         engine.wake_up()
     assert len(engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0][0].token_ids) == 3
+
+
+def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
+    """The IPC sender (shared memory on CPU, CUDA IPC on GPU) through vLLM's worker extension."""
+    from safetensors.torch import load_file
+
+    from megarl.rollout.sharding.ipc import IpcSender
+    from megarl.rollout.sharding.plan import HFSpec
+    from rollout_sync_checks import hf_greedy
+
+    weights = sorted(load_file(str(rollout_models["qwen2"] / "model.safetensors")).items())
+    buckets = [weights[i::3] for i in range(3)]  # a layer's tensors spread over several buckets
+    sender = IpcSender(engine)
+    version = engine.version
+    sender.check_update([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+    assert sender.send(None, buckets) == version + 1
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])

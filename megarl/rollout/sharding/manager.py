@@ -3,7 +3,7 @@
 Owns: `TrainGroups` (the process groups and rank grid of one model replica) and
 `ShardingManager`, which exchanges parameter metadata once per model (one `all_gather_object`
 over the model-parallel group, then cached), plans buckets with `plan.plan_sync`, and runs the
-in-process transport (`transport.gather_bucket`) bucket by bucket. Every rank of the replica calls
+in-process transport (`transport.stream_buckets`) bucket by bucket. Every rank of the replica calls
 `sync(engine)` (or iterates `iter_buckets()`); rollout ranks get the tensors, the others only
 take part in the collectives. Before any bytes move the rollout ranks check the planned names and
 shapes against their engine and all ranks agree (one small collective), so a bad update fails
@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
-from megarl.rollout.sharding.transport import gather_bucket, unpack_bucket
+from megarl.rollout.sharding.transport import BufferRing, stream_buckets, unpack_bucket
 
 
 @dataclass
@@ -49,16 +49,19 @@ class ShardingManager:
 
     bridge: the actor's `ModelBridge` (weight map, dims); chunks: this rank's model chunks (one
     per virtual stage); rollout_ranks: global ranks of the replica that feed an engine (default:
-    the first rank of the first stage).
+    the first rank of the first stage); bucket_bytes: bound of one bucket (gathered bytes);
+    prefetch: buckets a rollout rank receives ahead while it unpacks (0: strictly one at a time).
     """
 
     def __init__(self, bridge, chunks: Sequence[torch.nn.Module], groups: Optional[TrainGroups] = None, *,
-                 rollout_ranks: Optional[Sequence[int]] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 rollout_ranks: Optional[Sequence[int]] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 prefetch: int = 1):
         import torch.distributed as dist
 
         self.bridge = bridge
         self.groups = groups or TrainGroups.from_parallel_state()
         self.bucket_bytes = bucket_bytes
+        self.prefetch = prefetch
         self.rank = dist.get_rank()
         self._local = self._local_params(chunks)
         self._rollout_ranks = rollout_ranks
@@ -121,12 +124,13 @@ class ShardingManager:
     def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Every rank must exhaust this; rollout ranks get each bucket's HF tensors (valid until the next)."""
         plan, dims = self.plan, self.bridge.dims
+        outputs = BufferRing(1)  # the consumer is done with a bucket when it asks for the next
         with torch.no_grad():
-            for bucket in plan.buckets:
-                gathered = gather_bucket(bucket, self._local, my_rank=self.rank, stage_ranks=self.stage_ranks,
-                                         tp_group=self.groups.tp_group, dest_ranks=self._rollout_ranks)
-                if gathered is not None:
-                    yield unpack_bucket(bucket, gathered, dims)
+            for bucket, gathered in stream_buckets(plan.buckets, self._local, my_rank=self.rank,
+                                                   stage_ranks=self.stage_ranks, dest_ranks=self._rollout_ranks,
+                                                   my_pp_rank=self.groups.pp_rank, prefetch=self.prefetch):
+                out = outputs.take(bucket.gathered_numel, bucket.dtype, gathered.device) if bucket.sharded else None
+                yield unpack_bucket(bucket, gathered, dims, out)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.iter_buckets():

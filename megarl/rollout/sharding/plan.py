@@ -6,7 +6,8 @@ parameter values, so it is tested on CPU with made-up metadata and every transpo
 
 Input: one `ParamMeta` per megatron parameter of one TP rank of every pipeline stage (shapes are
 the local TP shard; all TP ranks of a stage hold the same shapes), plus the TP size and the
-model's `WeightMap`. Output: a `SyncPlan`, a list of `Bucket`s in HF order. A bucket holds the
+model's `WeightMap`. Output: a `SyncPlan`, a list of `Bucket`s in transfer order (HF order within
+a stage, stages taking turns so they ship concurrently). A bucket holds the
 parameters of one pipeline stage, one dtype, and one kind:
 
 * sharded buckets: every TP rank packs its shards into one flat buffer and the stage gathers them
@@ -107,7 +108,7 @@ class Bucket:
 
 @dataclass
 class SyncPlan:
-    """Ordered buckets covering every HF tensor of the model exactly once."""
+    """Buckets in transfer order (round robin over stages) covering every HF tensor exactly once."""
 
     buckets: list[Bucket]
     tp_size: int
@@ -140,10 +141,13 @@ def plan_sync(metas: Iterable[ParamMeta], weight_map: WeightMap, *, tp_size: int
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
     planned = _planned_params(metas, weight_map, tp_size)
     _check_complete(planned, weight_map)
-    buckets: list[Bucket] = []
-    for pp_rank in range(pp_size):
-        stage = [p for p in planned if p.meta.pp_rank == pp_rank]
-        buckets.extend(_pack_stage(stage, pp_rank, tp_size, bucket_bytes, first_index=len(buckets)))
+    per_stage = [_pack_stage([p for p in planned if p.meta.pp_rank == pp_rank], pp_rank, tp_size, bucket_bytes)
+                 for pp_rank in range(pp_size)]
+    # Transfer order: round robin over stages, so every stage packs and sends while the rollout
+    # rank unpacks another stage's bucket.
+    rounds = max((len(s) for s in per_stage), default=0)
+    ordered = [stage[i] for i in range(rounds) for stage in per_stage if i < len(stage)]
+    buckets = [Bucket(i, b.pp_rank, b.dtype, b.sharded, b.params, b.tp_size) for i, b in enumerate(ordered)]
     return SyncPlan(buckets, tp_size, pp_size, bucket_bytes)
 
 
@@ -182,8 +186,7 @@ def _check_complete(planned: Sequence[PlannedParam], weight_map: WeightMap) -> N
                         f" ({len(missing)} HF tensors); metadata from every pipeline stage is needed")
 
 
-def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_bytes: int,
-                first_index: int) -> list[Bucket]:
+def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_bytes: int) -> list[Bucket]:
     """Greedy packing in HF order; one open bucket per (dtype, sharded) kind."""
     closed: list[tuple[int, Bucket]] = []
     open_: dict[tuple[torch.dtype, bool], list[PlannedParam]] = {}
@@ -206,8 +209,7 @@ def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_b
     for key in list(open_):
         close(key)
     closed.sort(key=lambda item: item[0])
-    return [Bucket(first_index + i, b.pp_rank, b.dtype, b.sharded, b.params, b.tp_size)
-            for i, (_, b) in enumerate(closed)]
+    return [b for _, b in closed]
 
 
 def _bucket(members: list[PlannedParam], pp_rank: int, key, tp_size: int) -> Bucket:
