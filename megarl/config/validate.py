@@ -13,8 +13,10 @@ Imports no megatron, vLLM or Ray.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 import torch
 
 from megarl.config.loader import ConfigError
@@ -292,6 +294,11 @@ def _check_files(cfg: RunConfig) -> None:
             if not os.path.exists(path):
                 raise ConfigError(f"{where}: {path!r} does not exist (cwd {os.getcwd()}); fix the path, or pass"
                                   " --no-check-paths if it only exists on the cluster")
+            _check_columns(cfg, where, path)
+    tokenizer = cfg.model.tokenizer_path or cfg.model.hf_path
+    if os.path.isdir(tokenizer) and not any(os.path.isfile(os.path.join(tokenizer, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"no tokenizer in {tokenizer!r} (none of {', '.join(TOKENIZER_FILES)}); set"
+                          " model.tokenizer_path to the tokenizer's directory")
     resume = cfg.trainer.resume
     if resume not in RESUME_MODES and not os.path.exists(resume):
         raise ConfigError(f"trainer.resume={resume!r} is neither auto, never nor an existing checkpoint path")
@@ -299,6 +306,37 @@ def _check_files(cfg: RunConfig) -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{where}={path!r} has no config.json; point it at a HuggingFace checkpoint"
                               " directory (or pass --no-check-paths if it only exists on the cluster)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _file_columns(path: str) -> Optional[list[str]]:
+    """Column names read cheaply (parquet schema, first jsonl row); None where that is not cheap."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            first = next((line for line in f if line.strip()), None)
+        try:
+            row = json.loads(first) if first else None
+        except json.JSONDecodeError:
+            return None  # the dataset reports the bad line with its number
+        return list(row) if isinstance(row, dict) else None
+    return None
+
+
+def _check_columns(cfg: RunConfig, where: str, path: str) -> None:
+    columns = _file_columns(path)
+    if columns is None:
+        return
+    for key in ("prompt_key", "ground_truth_key"):
+        column = getattr(cfg.data, key)
+        if column is not None and column.split(".")[0] not in columns:
+            raise ConfigError(f"{where}: {path!r} has no column {column.split('.')[0]!r} (data.{key}={column!r});"
+                              f" columns: {columns}. Set data.{key} to the right column")
 
 
 def _model_paths(cfg: RunConfig) -> dict[str, str]:

@@ -6,6 +6,7 @@ import pytest
 
 from megarl.config import ConfigError, derive, load_config, validate
 from megarl.data.tasks import write_task_splits
+from megarl.data.tokenizer import build_tiny_tokenizer
 from megarl.testing.models import tiny_hf_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -18,8 +19,12 @@ def local(tmp_path_factory):
     """A tiny qwen2 config.json (4 heads, 2 KV heads, 2 layers) and arithmetic train/test parquet."""
     root = tmp_path_factory.mktemp("local")
     tiny_hf_config("qwen2").save_pretrained(root / "model")
+    build_tiny_tokenizer(str(root / "model"))
+    (root / "bare").mkdir()
+    tiny_hf_config("qwen2").save_pretrained(root / "bare")  # a config.json without a tokenizer
     paths = write_task_splits("arithmetic", 40, str(root / "data"))
-    return {"model": str(root / "model"), "train": paths["train"], "test": paths["test"]}
+    (root / "other.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    return {"model": str(root / "model"), "train": paths["train"], "test": paths["test"], "root": str(root)}
 
 
 def _local_overrides(local) -> list[str]:
@@ -109,6 +114,18 @@ def test_bad_config_fails_naming_the_field(local, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
     assert time.perf_counter() - start < 1.0
+
+
+def test_dataset_columns_and_tokenizer_are_checked_up_front(local):
+    with pytest.raises(ConfigError, match=r"data\.files: '.*other\.jsonl' has no column 'prompt' \(data\.prompt_key='prompt'\);"
+                                          r" columns: \['question', 'answer'\]"):
+        validate(_cfg(local, f"data.files=[{local['root']}/other.jsonl]"))
+    other = f"[{local['root']}/other.jsonl]"
+    assert validate(_cfg(local, f"data.files={other}", f"validation.files={other}", "data.prompt_key=question",
+                         "data.ground_truth_key=answer"))
+    with pytest.raises(ConfigError, match=r"no tokenizer in '.*bare'.*set model\.tokenizer_path"):
+        validate(_cfg(local, f"model.hf_path={local['root']}/bare"))
+    assert validate(_cfg(local, f"model.hf_path={local['root']}/bare", f"model.tokenizer_path={local['model']}"))
 
 
 def test_ppo_needs_a_critic_and_gets_a_ref_for_the_kl_reward(local):
