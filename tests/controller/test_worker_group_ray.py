@@ -93,17 +93,18 @@ def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group)
         group.get([group.execute_rank0("reward.forward", batch)])
 
 
-def test_separate_pools_and_a_pool_larger_than_the_cluster(ray_session, group):
+def test_separate_gpu_and_cpu_pools_and_a_pool_larger_than_the_cluster(ray_session, group):
     group.shutdown()  # free the module group's GPUs
     actors = WorkerGroup(ResourcePool([1], cpus_per_worker=0.5, name="actor"))
-    rollouts = WorkerGroup(ResourcePool([1], cpus_per_worker=0.5, name="rollout"))
+    rollouts = WorkerGroup(ResourcePool([1], use_gpu=False, cpus_per_worker=0.5, name="rollout"))  # CPU pool
     try:
         actors.add_role("actor", EchoRole, 1)
         rollouts.add_role("rollout", EchoRole, 2)
         gpus_a = {g for w in ray.get(actors.execute_all("actor.where")) for g in w["gpu"]}
         gpus_r = {g for w in ray.get(rollouts.execute_all("rollout.where")) for g in w["gpu"]}
-        assert len(gpus_a) == len(gpus_r) == 1 and not gpus_a & gpus_r
-        assert [w["RANK"] for w in ray.get(rollouts.execute_all("rollout.where"))] == ["0"]  # its own world
+        assert len(gpus_a) == 1 and not gpus_r  # the CPU pool's worker holds no GPU
+        rollout_env = ray.get(rollouts.execute_rank0("rollout.where"))
+        assert (rollout_env["RANK"], rollout_env["WORLD_SIZE"], rollout_env["LOCAL_RANK"]) == ("0", "1", "0")  # own world
     finally:
         actors.shutdown()
         rollouts.shutdown()
