@@ -107,3 +107,13 @@ def test_torchrun_launcher_locally_and_under_slurm(stubs, tmp_path):
     lines = log.read_text().splitlines()
     assert lines[-2].startswith("srun --nodes=3 --ntasks-per-node=1 bash -c")
     assert "--nnodes=3 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500 --rdzv-id=77" in lines[-1]
+
+
+def test_ray_local_start_and_usage(stubs, tmp_path):
+    env, log = stubs
+    env.update(MEGARL_PYTHON_BIN=str(Path(env["MEGARL_PYTHON"]).parent), MEGARL_RAY_CPUS="2")
+    script = REPO / "scripts" / "ray_local.sh"
+    subprocess.run(["bash", str(script), "start", "4"], env=env, check=True, capture_output=True, timeout=60)
+    assert log.read_text().splitlines()[-1] == ("ray start --head --node-ip-address=127.0.0.1 --port=6379 --num-cpus=2"
+                                                " --num-gpus=4 --include-dashboard=true --dashboard-host=127.0.0.1")
+    assert subprocess.run(["bash", str(script), "restart"], env=env, capture_output=True).returncode == 2
