@@ -151,7 +151,7 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens.to(device), mb.position_ids.to(device), None)
+            output = model(mb.tokens.to(device), mb.position_ids.to(device), _causal_mask(mb.tokens.shape[1], device))
             return output, functools.partial(_micro_loss, head, loss_fn, mb, scale, store)
 
         return forward_step
@@ -274,6 +274,19 @@ def with_global_denominators(batch: Batch, groups: RoleGroups) -> Batch:
         dist.all_reduce(counts, group=groups.pg.dp)
     out.meta["global_tokens"], out.meta["global_seqs"] = (max(float(c), 1.0) for c in counts)
     return out
+
+
+def _causal_mask(seq: int, device) -> Optional[torch.Tensor]:
+    """None on GPU (the kernels' own causal masking); on CPU an explicit [1, 1, s, s] mask (True = hidden).
+
+    Why: with activation recompute the forward is replayed inside autograd's backward, where
+    megatron_patches' thread-local device mode is suspended (TorchFunctionMode semantics), and
+    megatron's default causal mask is built with device="cuda". An explicit mask avoids that call;
+    the math is the same causal mask.
+    """
+    if torch.cuda.is_available():
+        return None
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu_(1).view(1, 1, seq, seq)
 
 
 def _micro_loss(head, loss_fn, mb: MicroBatch, scale: float, store: list, output):

@@ -78,11 +78,11 @@ def local_rows(engine, batch):
     return shard_for_dp(batch, engine.groups.dp_size, engine.groups.dp_rank)
 
 
-def one_update(hf_path, layout, micro_batch_tokens, first):
+def one_update(hf_path, layout, micro_batch_tokens, first, **config):
     """One actor update at `layout`: (loss, grad norm, micro-batches, HF-named parameter deltas on TP rank 0)."""
     from megarl.engine.roles import Actor
 
-    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens)
+    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens, **config)
     before = {name: tensor.clone() for name, tensor in engine.hf_weights()}  # TP1 yields views
     metrics = Actor(engine).update(local_rows(engine, padded_batch()))
     deltas = {name: after - before[name] for name, after in engine.hf_weights()}
@@ -91,8 +91,9 @@ def one_update(hf_path, layout, micro_batch_tokens, first):
 
 
 def updates_rank(scenarios):
-    """Run each (hf_path, layout, micro_batch_tokens) scenario in turn in the same processes."""
-    return [one_update(hf, layout, mbt, first=i == 0) for i, (hf, layout, mbt) in enumerate(scenarios)]
+    """Run each (hf_path, layout, micro_batch_tokens[, config]) scenario in turn in the same processes."""
+    return [one_update(*scenario[:3], first=i == 0, **(scenario[3] if len(scenario) > 3 else {}))
+            for i, scenario in enumerate(scenarios)]
 
 
 def adam(lr=1e-2):

@@ -41,10 +41,10 @@ def _assert_same(result, reference):
         torch.testing.assert_close(deltas[name], ref_deltas[name], rtol=1e-3, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_and_micro_batch_splits(models):
+def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_micro_batch_splits(models):
     llama, qwen = models["llama"], models["qwen2_4l"]
-    single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000)],
-                             timeout=300)
+    single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000),
+                                                 (llama, L(), 1000, {"recompute": True})], timeout=300)
     two = run_distributed(C.updates_rank, 2, [(llama, L(tp=2), 1000), (llama, L(pp=2), 14),
                                               (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30)], timeout=300)
     four = run_distributed(C.updates_rank, 4, [(llama, L(tp=2, pp=2), 20)], timeout=300)
@@ -52,6 +52,7 @@ def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_and_micro_batc
     assert reference[2] == 1 and _merge(single, 1)[2] >= 4
     assert max(reference[3]["model.layers.0.self_attn.q_proj.weight"].abs().max(), 0) > 1e-4  # a real update
     _assert_same(_merge(single, 1), reference)
+    _assert_same(_merge(single, 3), reference)  # full activation recompute
     for index in range(3):
         _assert_same(_merge(two, index), reference)
     _assert_same(_merge(two, 3), _merge(single, 2))
