@@ -201,10 +201,12 @@ def _check_ranges(cfg: RunConfig) -> None:
     rules = [
         (tr.total_steps >= 1, f"trainer.total_steps={tr.total_steps} must be >= 1"),
         (tr.prompts_per_step >= 1, f"trainer.prompts_per_step={tr.prompts_per_step} must be >= 1"),
-        (min(tr.checkpoint_every_steps, tr.log_every_steps - 1, tr.dump_rollouts_every_steps,
-             cfg.validation.every_steps) >= 0,
-         "trainer.checkpoint_every_steps / dump_rollouts_every_steps / validation.every_steps must be >= 0"
-         " and trainer.log_every_steps >= 1"),
+        *[(value >= 0, f"{name}={value} must be >= 0 (0: off)") for name, value in (
+            ("trainer.checkpoint_every_steps", tr.checkpoint_every_steps),
+            ("trainer.keep_checkpoints", tr.keep_checkpoints),
+            ("trainer.dump_rollouts_every_steps", tr.dump_rollouts_every_steps),
+            ("validation.every_steps", cfg.validation.every_steps))],
+        (tr.log_every_steps >= 1, f"trainer.log_every_steps={tr.log_every_steps} must be >= 1"),
         (bool(tr.resume), "trainer.resume is empty: use auto, never, or a checkpoint path"),
         (set(tr.loggers) <= set(LOGGERS), f"trainer.loggers={tr.loggers}: valid loggers are {', '.join(LOGGERS)}"),
         (ro.samples_per_prompt >= 1, f"rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 1"),
@@ -217,6 +219,11 @@ def _check_ranges(cfg: RunConfig) -> None:
         (res.accelerator in ACCELERATORS, f"resources.accelerator={res.accelerator!r}; pick gpu or cpu"),
         (res.nodes >= 1 and res.gpus_per_node >= 1,
          f"resources.nodes={res.nodes} and resources.gpus_per_node={res.gpus_per_node} must be >= 1"),
+        (cfg.validation.samples_per_prompt >= 1,
+         f"validation.samples_per_prompt={cfg.validation.samples_per_prompt} must be >= 1"),
+        (cfg.algorithm.dapo.overlong_buffer_len < ro.max_response_tokens,
+         f"algorithm.dapo.overlong_buffer_len={cfg.algorithm.dapo.overlong_buffer_len} must be smaller than"
+         f" rollout.max_response_tokens={ro.max_response_tokens} (the penalty zone ends at the limit)"),
         (bool(cfg.model.hf_path), "model.hf_path is empty: set it to the initial policy's HF checkpoint directory"),
         (bool(cfg.data.files), "data.files is empty: list the training prompt files (parquet/jsonl/json)"),
     ]

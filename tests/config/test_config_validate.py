@@ -107,6 +107,8 @@ def test_derived_sizes_of_the_70b_config():
     (["rollout.max_response_tokens=500"], r"96 \+ 500 = 596 must fit .* max_position_embeddings=256"),
     (["trainer.loggers=[console, mlflow]"], r"trainer\.loggers=.*valid loggers are console, jsonl, tensorboard, wandb"),
     (["rollout.engine=sglang"], r"rollout\.engine='sglang'; pick one of auto, vllm, embedded"),
+    (["algorithm.dapo.overlong_buffer_len=16"], r"overlong_buffer_len=16 must be smaller than rollout\.max_response_tokens=16"),
+    (["trainer.checkpoint_every_steps=-1"], r"trainer\.checkpoint_every_steps=-1 must be >= 0 \(0: off\)"),
 ])
 def test_bad_config_fails_naming_the_field(local, overrides, message):
     cfg = _cfg(local, *overrides)
