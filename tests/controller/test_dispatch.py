@@ -18,11 +18,15 @@ def test_rank_mesh_tp2_pp2_dp2_matches_megatron_group_enumeration():
         warnings.simplefilter("ignore")
         from megatron.core.hyper_comm_grid import HyperCommGrid
 
+        from megarl.engine.parallel import _DENSE_DIMS  # the grid the engine builds its groups from
+
     layout, world = ParallelLayout(tp=2, pp=2, cp=2), 16
     mesh = RankMesh(layout, world)
     grid = HyperCommGrid.__new__(HyperCommGrid)  # only the enumeration, no process groups
     grid.rank_offset = 0
-    shape, names = [2, 2, mesh.dp_size, 2], ["tp", "cp", "dp", "pp"]  # megarl.engine.parallel's dense grid
+    sizes = {"tp": 2, "cp": 2, "dp": mesh.dp_size, "pp": 2}
+    names = list(_DENSE_DIMS)
+    shape = [sizes[n] for n in names]
     for dim in ("tp", "cp", "dp", "pp"):
         for group in HyperCommGrid._gen_rank_enum_for(grid, shape, names, [dim]):
             rest = [d for d in ("tp", "cp", "dp", "pp") if d != dim]
