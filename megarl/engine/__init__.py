@@ -8,5 +8,37 @@
     offload.py     parameters / grads / optimizer state to host memory and back
     checkpoint.py  atomic distributed checkpoints (model, optimizer, scheduler, RNG, step), HF export
 
+Use (every process of the world, in the same order, since creating groups is collective):
+
+    actor_groups = build_role_groups(ParallelLayout(tp=2))          # roles may share processes
+    critic_groups = build_role_groups(ParallelLayout(tp=1))         # ... with their own layouts
+    init_global_state(actor_groups)                                 # once per process
+    actor = Actor(MegatronEngine(hf_path, EngineConfig(layout=..., optim=OptimConfig(lr=1e-6)), actor_groups))
+    rows = shard_for_dp(batch, actor_groups.dp_size, actor_groups.dp_rank)
+    actor.compute_log_probs(rows)   # {"log_probs", "entropy"}: [B_local, T]
+    actor.update(rows)              # {"loss", "grad_norm", "lr", policy-loss stats, ...}
+    actor.engine.save_checkpoint(path); actor.engine.offload(); actor.engine.onload()
+
+On CPU (gloo, megatron_patches) everything above runs and is tested: TP, PP, virtual PP, DP with
+the distributed optimizer, activation recompute, colocated roles with different layouts, offload,
+checkpoint resharding. GPU-only, wired but not testable here: bf16 (EngineConfig.dtype "auto"),
+Transformer Engine specs with sequence parallelism (micro-batch widths are padded to a multiple of
+TP for it), pinned-memory offload. Not supported yet: context parallelism (needs THD packed
+sequences with TE attention; `validate_engine_config` refuses cp > 1) and expert parallelism
+(the bridge has no MoE families yet; dense models refuse ep > 1).
+
 Imports megatron-core lazily (inside functions); must not import vLLM or Ray.
 """
+from megarl.engine.config import EngineConfig, OptimConfig
+from megarl.engine.engine import MegatronEngine, validate_engine_config
+from megarl.engine.micro import MicroBatch, shard_for_dp
+from megarl.engine.parallel import RoleGroups, build_role_groups, init_global_state
+from megarl.engine.roles import (
+    Actor, ActorLossConfig, Critic, LogProbHead, Reference, RewardModel, ScoreHead, ValueHead, actor_loss, critic_loss,
+)
+
+__all__ = [
+    "Actor", "ActorLossConfig", "Critic", "EngineConfig", "LogProbHead", "MegatronEngine", "MicroBatch",
+    "OptimConfig", "Reference", "RewardModel", "RoleGroups", "ScoreHead", "ValueHead", "actor_loss",
+    "build_role_groups", "critic_loss", "init_global_state", "shard_for_dp", "validate_engine_config",
+]

@@ -78,6 +78,8 @@ class MegatronEngine:
                                                    use_distributed_optimizer=True)
         model = [DistributedDataParallel(self.tf_config, ddp_config, chunk, pg_collection=self.groups.pg,
                                          disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        for chunk in model:
+            chunk.broadcast_params()  # DP replicas start identical (e.g. a freshly initialised value head)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         self.optimizer = self._optimizer(model)
@@ -130,8 +132,9 @@ class MegatronEngine:
     def _micro_batches(self, batch: Batch) -> list[MicroBatch]:
         layout = self.config.layout
         minimum = layout.pp if layout.vpp > 1 else 1
+        multiple = layout.tp if self.tf_config.sequence_parallel else 1
         return make_micro_batches(batch, self.config.micro_batch_tokens, min_micro_batches=minimum,
-                                  fixed_shape=layout.vpp > 1)
+                                  fixed_shape=layout.vpp > 1, width_multiple=multiple)
 
     def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -91,16 +91,19 @@ def make_micro_batch(batch: Batch, rows: np.ndarray, width: int = 0, num_rows: i
 
 
 def make_micro_batches(batch: Batch, max_tokens: int, min_micro_batches: int = 1,
-                       fixed_shape: bool = False) -> list[MicroBatch]:
+                       fixed_shape: bool = False, width_multiple: int = 1) -> list[MicroBatch]:
     """Micro-batches of at most `max_tokens` real tokens each (a longer row gets its own).
 
     fixed_shape: pad all to the same [rows, width] (the step's longest row, the fullest pack).
+    width_multiple: round each width up to a multiple (sequence parallelism splits it over TP).
     """
     lengths = row_lengths(batch)
     packs = pack_micro_batches(lengths, max_tokens, min_micro_batches)
-    width = int(lengths.max()) if fixed_shape else 0
+    step_width = int(lengths.max()) if fixed_shape else 0
     num_rows = max(len(p) for p in packs) if fixed_shape else 0
-    return [make_micro_batch(batch, np.asarray(rows), width, num_rows) for rows in packs]
+    widths = [max(step_width, int(lengths[p].max()), 1) for p in packs]
+    widths = [-(-w // width_multiple) * width_multiple for w in widths]
+    return [make_micro_batch(batch, np.asarray(rows), w, num_rows) for rows, w in zip(packs, widths)]
 
 
 def shard_for_dp(batch: Batch, dp_size: int, dp_rank: int) -> Batch:

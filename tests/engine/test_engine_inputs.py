@@ -77,3 +77,8 @@ def test_micro_batches_respect_the_token_budget_and_dp_shards_cover_the_batch():
     assert all(mb.num_tokens <= 20 or len(mb.rows) == 1 for mb in mbs)
     shards = [shard_for_dp(batch, 2, r) for r in range(2)]
     assert sum(len(s) for s in shards) == 8
+
+
+def test_sequence_parallel_widths_are_multiples_of_tp():
+    mbs = make_micro_batches(C.padded_batch(rows=8), max_tokens=20, width_multiple=4)
+    assert all(mb.tokens.shape[1] % 4 == 0 for mb in mbs)
