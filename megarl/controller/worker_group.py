@@ -129,12 +129,10 @@ class WorkerGroup:
     # ---- roles and calls ------------------------------------------------------------------------
 
     def add_role(self, name: str, cls: type, *args, **kwargs) -> None:
-        """Build `cls(*args, **kwargs)` as role `name` in every worker (blocks; the first error is raised)."""
-        import ray
-
+        """Build `cls(*args, **kwargs)` as role `name` in every worker (blocks; `WorkerError` names the rank)."""
         if "." in name:
             raise ValueError(f"role name {name!r} must not contain '.' (calls are 'role.method')")
-        ray.get([w.add_role.remote(name, cls, args, kwargs) for w in self.workers])
+        self.get([w.add_role.remote(name, cls, args, kwargs) for w in self.workers])
 
     def execute_all(self, target: str, *args, **kwargs) -> list:
         """`role.method(*args, **kwargs)` on every rank; one future per rank."""

@@ -91,6 +91,8 @@ def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group)
         group.get(group.execute_all("actor.fail"))
     with pytest.raises(WorkerError, match="rank 0: ValueError: 'reward.forward': no role 'reward' in this worker"):
         group.get([group.execute_rank0("reward.forward", batch)])
+    with pytest.raises(WorkerError, match="rank 0: ValueError: role 'actor' already exists in this worker"):
+        group.add_role("actor", EchoRole, 1)
 
 
 def test_separate_gpu_and_cpu_pools_and_a_pool_larger_than_the_cluster(ray_session, group):
