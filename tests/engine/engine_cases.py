@@ -78,13 +78,21 @@ def local_rows(engine, batch):
     return shard_for_dp(batch, engine.groups.dp_size, engine.groups.dp_rank)
 
 
-def one_update(hf_path, layout, micro_batch_tokens, first, **config):
+def full_actor_loss():
+    """seq-mean-token-mean PPO + k3 KL loss + entropy bonus: every term of the actor objective."""
+    from megarl.algorithms import KLConfig
+    from megarl.engine.roles import ActorLossConfig
+
+    return ActorLossConfig(kl=KLConfig(coef=0.1), entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean")
+
+
+def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, **config):
     """One actor update at `layout`: (loss, grad norm, micro-batches, HF-named parameter deltas on TP rank 0)."""
-    from megarl.engine.roles import Actor
+    from megarl.engine.roles import Actor, ActorLossConfig
 
     engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens, **config)
     before = {name: tensor.clone() for name, tensor in engine.hf_weights()}  # TP1 yields views
-    metrics = Actor(engine).update(local_rows(engine, padded_batch()))
+    metrics = Actor(engine, loss or ActorLossConfig()).update(local_rows(engine, padded_batch()))
     deltas = {name: after - before[name] for name, after in engine.hf_weights()}
     keep = engine.groups.tp_rank == 0 and engine.groups.dp_rank == 0
     return metrics["loss"], metrics["grad_norm"], metrics["micro_batches"], deltas if keep else {}

@@ -43,10 +43,13 @@ def _assert_same(result, reference):
 
 def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_micro_batch_splits(models):
     llama, qwen = models["llama"], models["qwen2_4l"]
+    full = {"loss": C.full_actor_loss()}
     single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000),
-                                                 (llama, L(), 1000, {"recompute": True})], timeout=300)
+                                                 (llama, L(), 1000, {"recompute": True}), (llama, L(), 1000, full)],
+                             timeout=300)
     two = run_distributed(C.updates_rank, 2, [(llama, L(tp=2), 1000), (llama, L(pp=2), 14),
-                                              (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30)], timeout=300)
+                                              (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30),
+                                              (llama, L(), 14, full)], timeout=300)
     four = run_distributed(C.updates_rank, 4, [(llama, L(tp=2, pp=2), 20)], timeout=300)
     reference = _merge(single, 0)
     assert reference[2] == 1 and _merge(single, 1)[2] >= 4
@@ -56,4 +59,5 @@ def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_
     for index in range(3):
         _assert_same(_merge(two, index), reference)
     _assert_same(_merge(two, 3), _merge(single, 2))
+    _assert_same(_merge(two, 4), _merge(single, 4))  # PPO + KL + entropy, seq-mean-token-mean, DP2 x micro-batches
     _assert_same(_merge(four, 0), reference)
