@@ -130,6 +130,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ forward / train
 
     def _micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        if self._offloaded is not None:
+            raise RuntimeError("the engine's weights are offloaded; call engine.onload() before using it")
         layout = self.config.layout
         minimum = layout.pp if layout.vpp > 1 else 1
         multiple = layout.tp if self.tf_config.sequence_parallel else 1

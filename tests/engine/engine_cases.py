@@ -150,6 +150,11 @@ def offload_rank(hf, steps):
         curves[1].append(moved.update(batch)["loss"])
         moved.engine.offload()
         freed.append(device_bytes(moved.engine._state_tensors(), "cpu"))
+        try:
+            moved.update(batch)
+            freed.append("trained while offloaded")
+        except RuntimeError as err:
+            assert "onload" in str(err)
         moved.engine.onload()
     weights = [{n: t.clone() for n, t in a.engine.hf_weights()} for a in (plain, moved)]
     return curves, freed, weights
