@@ -24,6 +24,7 @@ import os
 import re
 import types
 import typing
+from collections import abc
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -135,9 +136,9 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         if dataclasses.is_dataclass(value) and isinstance(value, hint):
             return value
         return build(hint, value, path)
-    if origin in (list, tuple, Sequence):
+    if origin in (list, tuple, abc.Sequence):
         return _coerce_list(value, hint, origin, args, path)
-    if origin in (dict, Mapping):
+    if origin in (dict, abc.Mapping):
         return _coerce_dict(value, args, path)
     return _coerce_scalar(value, hint, path)
 

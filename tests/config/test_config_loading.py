@@ -102,3 +102,24 @@ def test_save_resolved_round_trips(tmp_path):
     text = path.read_text()  # every field documented in place, and still plain YAML
     assert "  # Peak learning rate (reached after `warmup_steps`).\n    lr: 2.0e-05" in text
     assert load_config(path) == cfg
+
+
+@dataclasses.dataclass
+class _Typed:
+    seq: typing.Sequence[int] = (1,)
+    """x"""
+    mapping: typing.Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """x"""
+    pair: tuple[int, ...] = ()
+    """x"""
+    either: typing.Union[int, str] = 0
+    """x"""
+
+
+def test_generic_field_types_are_checked():
+    built = build(_Typed, {"seq": [1, 2], "mapping": {"a": 1}, "pair": [3, 4], "either": "x"})
+    assert built == _Typed([1, 2], {"a": 1.0}, (3, 4), "x")
+    with pytest.raises(ConfigError, match=r"seq\[1\]: expected int, got str"):
+        build(_Typed, {"seq": [1, "b"]})
+    with pytest.raises(ConfigError, match=r"either: expected int or str, got list"):
+        build(_Typed, {"either": [1]})
