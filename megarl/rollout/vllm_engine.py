@@ -90,10 +90,16 @@ class VLLMEngine(RolloutEngine):
 
     # -- generation -------------------------------------------------------------------------
     def _generate_requests(self, requests):
-        prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
-        outputs = self.llm.generate(prompts, [_vllm_params(p) for _, p in requests], use_tqdm=False)
-        return [[_completion(o, params.logprobs) for o in out.outputs]
-                for out, (_, params) in zip(outputs, requests)]
+        # vLLM refuses n > 1 with greedy sampling: send n copies of such a request instead
+        copies = [params.n if params.greedy else 1 for _, params in requests]
+        prompts = [{"prompt_token_ids": prompt} for (prompt, _), k in zip(requests, copies) for _ in range(k)]
+        vparams = [_vllm_params(params, n=1 if k > 1 else params.n) for (_, params), k in zip(requests, copies)
+                   for _ in range(k)]
+        outputs = iter(self.llm.generate(prompts, vparams, use_tqdm=False))
+        results = []
+        for (_, params), k in zip(requests, copies):
+            results.append([_completion(o, params.logprobs) for _ in range(k) for o in next(outputs).outputs])
+        return results
 
     def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         from vllm import SamplingParams as VSamplingParams
@@ -105,11 +111,11 @@ class VLLMEngine(RolloutEngine):
                 for out, seq in zip(outputs, sequences)]
 
 
-def _vllm_params(params: SamplingParams):
+def _vllm_params(params: SamplingParams, n: int):
     from vllm import SamplingParams as VSamplingParams
 
     return VSamplingParams(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+        n=n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
         logprobs=0 if params.logprobs else None, ignore_eos=True, detokenize=False,
     )

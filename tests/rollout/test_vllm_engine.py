@@ -161,3 +161,15 @@ def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
     sender.check_update([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
     assert sender.send(None, buckets) == version + 1
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
+
+
+def test_sampling_contract(engine):
+    from rollout_api_checks import check_sampling_contract
+
+    check_sampling_contract(engine)
+
+
+def test_concurrent_requests_are_batched_and_answered_each(engine):
+    from rollout_api_checks import check_concurrent_requests
+
+    check_concurrent_requests(engine)

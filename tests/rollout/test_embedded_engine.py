@@ -1,0 +1,43 @@
+"""The embedded (`transformers`) engine's contract, validation and backend selection."""
+import pytest
+import torch
+
+import megarl.rollout as rollout
+from megarl.rollout import SamplingParams, WeightUpdateError
+from megarl.rollout.embedded import EmbeddedEngine
+from rollout_api_checks import check_concurrent_requests, check_sampling_contract
+from rollout_sync_checks import hf_greedy, tokens, PROMPTS, GREEDY
+
+
+@pytest.fixture(scope="module")
+def engine(rollout_models):
+    return EmbeddedEngine(rollout_models["llama_other"])
+
+
+def test_sampling_contract(engine):
+    check_sampling_contract(engine)
+
+
+def test_concurrent_requests_are_batched_and_answered_each(engine):
+    check_concurrent_requests(engine)
+
+
+def test_greedy_equals_transformers_generate(engine, rollout_models):
+    assert tokens(engine.generate_sync(PROMPTS, SamplingParams(**GREEDY))) == hf_greedy(rollout_models["llama_other"])
+
+
+def test_bad_update_names_the_tensor_and_loads_nothing(engine):
+    before, version = engine.generate_sync(PROMPTS, SamplingParams(**GREEDY)), engine.version
+    good = ("model.norm.weight", torch.full((128,), 5.0))
+    with pytest.raises(WeightUpdateError, match="'model.layers.0.mlp.up_proj.weight' with shape \\(128, 128\\)"):
+        engine.update_weights([good, ("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 128))], partial=True)
+    with pytest.raises(WeightUpdateError, match="'model.embed_tokens.weights'.*closest: \\['model.embed_tokens.weight'"):
+        engine.update_weights([good, ("model.embed_tokens.weights", torch.zeros(96, 128))], partial=True)
+    assert engine.version == version and engine.generate_sync(PROMPTS, SamplingParams(**GREEDY)) == before
+
+
+def test_create_engine_prefers_vllm_and_falls_back_to_embedded(monkeypatch, rollout_models):
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert isinstance(rollout.create_engine(rollout_models["llama"]), EmbeddedEngine)
+    with pytest.raises(ValueError, match="auto, vllm, embedded"):
+        rollout.create_engine(rollout_models["llama"], backend="sglang")
