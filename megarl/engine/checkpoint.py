@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.convert import MARKER, read_metadata, save_strategy
-from megarl.models.hf_io import HFShardWriter, write_index
+from megarl.models.hf_io import CheckpointError, HFShardWriter, write_index
 from megarl.utils.atomic import check_target, commit_directory, staging_path
 
 FORMAT_VERSION = 1
@@ -213,12 +213,17 @@ def load_checkpoint(engine, path) -> dict:
     same_layout = meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
     if engine.optimizer is not None and not meta.get("has_optimizer", True):
         raise ValueError(f"{path} holds no optimizer state; it cannot resume training")
-    loaded = dist_checkpointing.load(_full_state(engine, loading=True, with_rng=same_layout), str(path))
-    load_model_state(engine.chunks, loaded)
-    if engine.optimizer is not None:
-        with _torch_adam_step_fix(engine.optimizer):
-            engine.optimizer.load_state_dict(loaded["optimizer"])
-        engine.scheduler.load_state_dict(loaded["scheduler"])
+    try:
+        loaded = dist_checkpointing.load(_full_state(engine, loading=True, with_rng=same_layout), str(path))
+        load_model_state(engine.chunks, loaded)
+        if engine.optimizer is not None:
+            with _torch_adam_step_fix(engine.optimizer):
+                engine.optimizer.load_state_dict(loaded["optimizer"])
+            engine.scheduler.load_state_dict(loaded["scheduler"])
+    except KeyError as err:  # megatron matches optimizer param groups by (lr, min_lr, weight decay, ...)
+        raise CheckpointError(f"{path}: the optimizer's parameter groups do not match the checkpoint's ({err});"
+                              " resume with the same OptimConfig (lr, min_lr, weight_decay) it was saved with (and rebuild this"
+                              " engine: its weights may be half loaded)") from err
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     engine.step = int(loaded["step"])

@@ -53,6 +53,8 @@ class MegatronEngine:
                                                value_head=value_head)
         self.tf_config = self._transformer_config()
         chunks = self.bridge.build(groups.pp_rank, config=self.tf_config, pg_collection=groups.pg)
+        if value_head:
+            _seed_value_head(chunks, config.seed)
         if load_weights:
             self.bridge.load_hf_weights(chunks, hf_path, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
         self.optimizer = self.scheduler = None
@@ -258,6 +260,20 @@ def validate_engine_config(hf_path, config: EngineConfig, world_size: int) -> Mo
             f"layout.cp={config.layout.cp}: context parallelism needs packed (THD) sequences with Transformer"
             " Engine attention (GPU); the engine does not split sequences over CP ranks yet — use cp=1")
     return ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype))
+
+
+def _seed_value_head(chunks, seed: int) -> None:
+    """Initialise a scalar head from `seed` alone, so a critic started from a causal-LM checkpoint (no
+    `score.weight`; the bridge keeps the head's init) starts the same at every layout and rank."""
+    from megarl.models.spec import ValueHead as ScalarHead
+
+    for chunk in chunks:
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(head, ScalarHead):
+            gen = torch.Generator().manual_seed(seed)
+            init = torch.randn(head.weight.shape, generator=gen) * chunk.config.init_method_std
+            with torch.no_grad():
+                head.weight.copy_(init)
 
 
 def _check_groups(config: EngineConfig, groups: RoleGroups) -> None:

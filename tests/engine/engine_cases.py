@@ -86,13 +86,15 @@ def full_actor_loss():
     return ActorLossConfig(kl=KLConfig(coef=0.1), entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean")
 
 
-def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, **config):
-    """One actor update at `layout`: (loss, grad norm, micro-batches, HF-named parameter deltas on TP rank 0)."""
-    from megarl.engine.roles import Actor, ActorLossConfig
+def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, critic=False, **config):
+    """One actor (or critic) update at `layout`: (loss, grad norm, micro-batches, HF-named deltas on TP rank 0)."""
+    from megarl.engine.roles import Actor, ActorLossConfig, Critic
 
-    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens, **config)
+    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens,
+                   value_head=critic, **config)
     before = {name: tensor.clone() for name, tensor in engine.hf_weights()}  # TP1 yields views
-    metrics = Actor(engine, loss or ActorLossConfig()).update(local_rows(engine, padded_batch()))
+    role = Critic(engine) if critic else Actor(engine, loss or ActorLossConfig())
+    metrics = role.update(local_rows(engine, padded_batch()))
     deltas = {name: after - before[name] for name, after in engine.hf_weights()}
     keep = engine.groups.tp_rank == 0 and engine.groups.dp_rank == 0
     return metrics["loss"], metrics["grad_norm"], metrics["micro_batches"], deltas if keep else {}
@@ -118,7 +120,7 @@ def colocated_rank(actor_hf, critic_hf, steps, root):
     from megarl.models.layout import ParallelLayout
 
     actor = Actor(build(actor_hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
-    critic = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(), micro_batch_tokens=30))
+    critic = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(2e-3), micro_batch_tokens=30))
     reference = Reference(MegatronEngine(actor_hf, EngineConfig(layout=actor.engine.config.layout), actor.engine.groups))
     reward = RewardModel(build(critic_hf, ParallelLayout(tp=2), value_head=True))
     batch = padded_batch()
@@ -129,7 +131,7 @@ def colocated_rank(actor_hf, critic_hf, steps, root):
     actor_losses = [actor.update(batch)["loss"] for _ in range(steps)]
     critic_losses = [critic.update(critic_rows)["loss"] for _ in range(steps)]
     critic.engine.save_checkpoint(f"{root}/critic")  # a TP1xDP2 role beside a TP2 one
-    restored = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(), micro_batch_tokens=30))
+    restored = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(2e-3), micro_batch_tokens=30))
     restored.engine.load_checkpoint(f"{root}/critic")
     return {"start": start, "ref": ref, "scores": scores, "actor": actor_losses, "critic": critic_losses,
             "critic_values": critic.compute_values(critic_rows), "critic_rows": critic_rows["input_ids"],
@@ -196,6 +198,12 @@ def checkpoint_rank(hf, root, save_at, total):
     other = Actor(build(hf, ParallelLayout(pp=2), optim=scheduled_adam(), micro_batch_tokens=30))
     other.engine.load_checkpoint(ckpt)
     other_steps = _steps(other, batch, 1)
+    changed = Actor(build(hf, ParallelLayout(tp=2), optim=adam(5e-2), micro_batch_tokens=30))
+    try:
+        changed.engine.load_checkpoint(ckpt)
+        changed_error = ""
+    except Exception as err:  # noqa: BLE001 - the test checks the message
+        changed_error = f"{type(err).__name__}: {err}"
 
     def broken_meta(engine):
         raise RuntimeError("simulated crash during save")
@@ -210,5 +218,5 @@ def checkpoint_rank(hf, root, save_at, total):
         checkpoint._meta = real_meta
     leftovers = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("."))
     return {"first": first, "rest": rest, "again": again, "same_weights": same_weights, "meta": meta,
-            "other": other_steps, "crashed": crashed, "leftovers": leftovers,
+            "other": other_steps, "changed_error": changed_error, "crashed": crashed, "leftovers": leftovers,
             "step_after_load": resumed.engine.step - len(again), "final_logp": final_logp}

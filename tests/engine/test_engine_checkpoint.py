@@ -23,6 +23,7 @@ def test_resume_is_bit_exact_reshards_to_pp2_and_saves_atomically(tmp_path):
     loss, norm, lr = result["other"][0]
     assert loss == pytest.approx(result["rest"][0][0], rel=1e-5)
     assert norm == pytest.approx(result["rest"][0][1], rel=1e-4) and lr == result["rest"][0][2]
+    assert "CheckpointError" in result["changed_error"] and "same OptimConfig" in result["changed_error"]
     assert result["crashed"] and result["leftovers"] == []
     assert json.loads((tmp_path / "ckpt" / MARKER).read_text())["step"] == 2  # the old checkpoint survived
 

@@ -41,15 +41,16 @@ def _assert_same(result, reference):
         torch.testing.assert_close(deltas[name], ref_deltas[name], rtol=1e-3, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_micro_batch_splits(models):
+def test_actor_and_critic_updates_match_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_splits(models):
     llama, qwen = models["llama"], models["qwen2_4l"]
-    full = {"loss": C.full_actor_loss()}
+    full, critic = {"loss": C.full_actor_loss()}, {"critic": True}
     single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000),
-                                                 (llama, L(), 1000, {"recompute": True}), (llama, L(), 1000, full)],
-                             timeout=300)
+                                                 (llama, L(), 1000, {"recompute": True}), (llama, L(), 1000, full),
+                                                 (llama, L(), 1000, critic)], timeout=300)
     two = run_distributed(C.updates_rank, 2, [(llama, L(tp=2), 1000), (llama, L(pp=2), 14),
                                               (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30),
-                                              (llama, L(), 14, full)], timeout=300)
+                                              (llama, L(), 14, full), (llama, L(tp=2), 1000, critic),
+                                              (llama, L(pp=2), 20, critic)], timeout=300)
     four = run_distributed(C.updates_rank, 4, [(llama, L(tp=2, pp=2), 20)], timeout=300)
     reference = _merge(single, 0)
     assert reference[2] == 1 and _merge(single, 1)[2] >= 4
@@ -60,4 +61,6 @@ def test_update_matches_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_
         _assert_same(_merge(two, index), reference)
     _assert_same(_merge(two, 3), _merge(single, 2))
     _assert_same(_merge(two, 4), _merge(single, 4))  # PPO + KL + entropy, seq-mean-token-mean, DP2 x micro-batches
+    _assert_same(_merge(two, 5), _merge(single, 5))  # critic (value head, clipped value loss) at TP2
+    _assert_same(_merge(two, 6), _merge(single, 5))  # ... and at PP2 with micro-batches
     _assert_same(_merge(four, 0), reference)
