@@ -1,0 +1,227 @@
+"""The RL loop, in one place: PPO and GRPO (and their variants) differ only by configuration.
+
+    step = generate → reward → old log-probs → ref log-probs → values → advantages
+           → critic update → actor update → weight sync          (each phase timed)
+
+Which phases do work follows from the active roles (`megarl.config.active_roles`): without a
+reference the ref phase is empty, without a critic the value phase and critic update are, and
+the advantage estimator is looked up by name. Validation (greedy by default) runs before the
+first step and every `validation.every_steps`; checkpoints every `trainer.checkpoint_every_steps`
+and at the end; `trainer.resume=auto` continues from the latest complete checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from megarl.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage_estimator, make_kl_controller
+from megarl.algorithms.dapo import mask_truncated, overlong_penalty
+from megarl.algorithms.mismatch import truncated_is_weights
+from megarl.data.batch import Batch
+from megarl.rollout.base import SamplingParams
+from megarl.trainer import batching, state
+from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, timing_metrics
+
+
+class RLTrainer:
+    """Drives the workers of a `Cluster` through the RL loop of a `RunConfig`."""
+
+    def __init__(self, cfg, derived, cluster, data):
+        self.cfg, self.derived, self.cluster, self.data = cfg, derived, cluster, data
+        self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_reward)
+        ro = cfg.rollout
+        self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                                       max_tokens=ro.max_response_tokens, n=ro.samples_per_prompt,
+                                       stop_token_ids=data.stop_token_ids)
+        self.step = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> list[dict]:
+        """Run (or continue) the configured steps; the metrics of each step run here."""
+        tr, val = self.cfg.trainer, self.cfg.validation
+        self.step = self.resume()
+        self.log = RunLogger(self.cfg, start_step=self.step)
+        history = []
+        try:
+            if self.step == 0 and val.before_train:
+                self.log.log(0, self.validate(), advance=False)
+            while self.step < tr.total_steps:
+                self.step += 1
+                metrics = self.train_step(self.step)
+                if _every(self.step, val.every_steps, tr.total_steps):
+                    metrics.update(self.validate())
+                self.log.log(self.step, metrics)
+                history.append(metrics)
+                if _every(self.step, tr.checkpoint_every_steps, tr.total_steps):
+                    self.save_checkpoint(self.step)
+            self.finish()
+        finally:
+            self.log.close()
+        return history
+
+    def train_step(self, step: int) -> dict:
+        """One RL step; returns its metrics."""
+        timer = PhaseTimer()
+        with timer("generate"):
+            batch = self.generate(self.data.loader.next_batch().to_batch(), step)
+        with timer("reward"):
+            batch = self.reward(batch)
+        with timer("old_log_probs"):
+            batch = batch.union(self.cluster.forward("actor", "compute_log_probs", batch))
+        with timer("ref_log_probs"):
+            batch = self.with_role_outputs(batch, "ref", "compute_log_probs")
+        with timer("values"):
+            batch = self.with_role_outputs(batch, "critic", "compute_values")
+        with timer("advantages"):
+            batch, stats = self.advantages(batch)
+        with timer("critic_update"):
+            stats.update(self.update("critic", batch))
+        if step > self.cfg.algorithm.critic_warmup_steps:
+            with timer("actor_update"):
+                stats.update(self.update("actor", batch))
+            with timer("weight_sync"):
+                stats["rollout/policy_version"] = float(max(v or 0 for v in self.cluster.sync_weights()))
+        if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
+            self.log.dump_rollouts(step, rollout_records(batch))
+        return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch)}
+
+    # ------------------------------------------------------------------ phases
+
+    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None) -> Batch:
+        """Completions of every prompt from the rollout engines, as the training batch."""
+        params = params or self.sampling
+        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007) % (2**31)
+        completions = self.cluster.generate(batching.requests(prompts, params, seed))
+        return batching.rollout_batch(prompts, completions, self.data.pad_token_id, group_prefix=f"{step}:")
+
+    def reward(self, batch: Batch) -> Batch:
+        """Rule rewards (+ a reward model, + DAPO overlong shaping) → token_level_scores."""
+        texts = batching.decode_responses(batch, self.data.tokenizer)
+        extras = [e if isinstance(e, dict) else {} for e in _column(batch, "extra_info", len(batch))]
+        results = self.data.rewards.score(texts, list(batch["ground_truth"]), list(batch["data_source"]), extras)
+        scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+        if self.cluster.has("reward_model"):
+            rm = self.cluster.forward("reward_model", "compute_scores", batch)["rm_scores"]
+            scores = scores + self.cfg.reward_model.weight * rm.float()
+        dapo, lengths = self.cfg.algorithm.dapo, batch["response_mask"].sum(-1)
+        if dapo.overlong_buffer_len:
+            scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_response_tokens,
+                                               dapo.overlong_buffer_len, dapo.overlong_penalty_factor)
+        if dapo.overlong_filter:
+            batch["response_mask"] = mask_truncated(batch["response_mask"], torch.from_numpy(
+                (batch["finish_reason"] == "length").astype(bool)))
+        batch["scores"] = scores
+        batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
+        batch["token_level_scores"] = batching.outcome_rewards(scores, batch["response_mask"])
+        batch["response_text"] = texts
+        return batch
+
+    def with_role_outputs(self, batch: Batch, role: str, method: str) -> Batch:
+        """The role's per-row outputs added to the batch (the batch unchanged if the role is off)."""
+        if not self.cluster.has(role):
+            return batch
+        return batch.union(self.cluster.forward(role, method, batch))
+
+    def advantages(self, batch: Batch) -> tuple[Batch, dict]:
+        """KL-in-reward (if on), the configured estimator, and rollout/train importance weights (if on)."""
+        alg, mask, stats = self.cfg.algorithm, batch["response_mask"], {}
+        rewards = batch["token_level_scores"]
+        if alg.kl_reward.coef > 0:
+            rewards, kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                           self.kl_ctrl.value, alg.kl_reward.estimator)
+            self.kl_ctrl.update(float(kl["kl"]), len(batch))
+            stats.update({"actor/reward_kl": float(kl["kl"]), "actor/kl_coef": float(kl["kl_coef"])})
+        inputs = AdvantageInputs(rewards, mask, values=batch["values"] if "values" in batch else None,
+                                 group_ids=list(batch["uid"]))
+        batch["advantages"], batch["returns"] = get_advantage_estimator(alg.advantage.estimator)(inputs, alg.advantage)
+        batch["token_level_rewards"] = rewards
+        if alg.mismatch.level is not None:
+            batch["is_weights"], is_stats = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
+                                                                 mask, alg.mismatch.cap, alg.mismatch.level)
+            stats.update({f"rollout/{k}": float(v) for k, v in is_stats.items()})
+        return batch, stats
+
+    def update(self, role: str, batch: Batch) -> dict:
+        """The role's optimizer steps over the step's samples (mini-batches × epochs); mean metrics."""
+        if not self.cluster.has(role):
+            return {}
+        rows = self.derived.samples_per_update[role]
+        parts = batching.minibatches(batch, rows, getattr(self.cfg, role).epochs_per_step)
+        return mean_metrics([self.cluster.update(role, part) for part in parts], role)
+
+    # ------------------------------------------------------------------ validation, checkpoints
+
+    def validate(self) -> dict:
+        """Mean score / accuracy of the validation prompts (greedy unless validation.greedy=false)."""
+        val = self.cfg.validation
+        if self.data.validation is None:
+            return {}
+        n = val.samples_per_prompt
+        params = replace(self.sampling, n=n, temperature=0.0) if val.greedy else replace(self.sampling, n=n)
+        batch = self.reward(self.generate(self.data.validation, step=-1, params=params))
+        return {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
+                "val/response_length": float(batch["response_mask"].sum(-1).float().mean())}
+
+    def save_checkpoint(self, step: int) -> None:
+        """Every trainable role's engine checkpoint, then the driver state (which marks it complete)."""
+        directory = state.step_dir(self.cfg.trainer.run_dir, step)
+        for role in ("actor", "critic"):
+            if self.cluster.has(role):
+                self.cluster.call(role, "save_checkpoint", str(directory / role))
+        kl = self.kl_ctrl.value if self.cfg.algorithm.kl_reward.coef > 0 else None
+        state.save_driver_state(directory, state.DriverState(step, self.data.loader.state_dict(), kl,
+                                                             state.rng_state()))
+        state.prune_checkpoints(self.cfg.trainer.run_dir, self.cfg.trainer.keep_checkpoints)
+
+    def resume(self) -> int:
+        """Load the checkpoint trainer.resume points at (if any) and push its weights to the engines."""
+        directory = state.resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.run_dir)
+        if directory is None:
+            return 0
+        for role in ("actor", "critic"):
+            if self.cluster.has(role):
+                self.cluster.call(role, "load_checkpoint", str(directory / role))
+        saved = state.load_driver_state(directory)
+        self.data.loader.load_state_dict(saved.loader)
+        if saved.kl_coef is not None:
+            self.kl_ctrl.value = saved.kl_coef
+        state.set_rng_state(saved.rng)
+        self.cluster.sync_weights()
+        print(f"[megarl] resumed from {directory} (step {saved.step})", flush=True)
+        return saved.step
+
+    def finish(self) -> None:
+        """Final HF export and the reward plot."""
+        if self.cfg.trainer.export_hf_at_end:
+            self.cluster.call("actor", "export_hf", str(Path(self.cfg.trainer.run_dir) / "hf"))
+        plot = self.log.plot()
+        if plot is not None:
+            self.log.print(f"[megarl] reward curve: {plot}")
+
+
+def _every(step: int, every: int, total: int) -> bool:
+    """Periodic events: every `every` steps (0: never) and at the last step."""
+    return step == total or (every > 0 and step % every == 0)
+
+
+def _column(batch: Batch, key: str, rows: int) -> list:
+    return list(batch[key]) if key in batch else [None] * rows
+
+
+def rollout_records(batch: Batch) -> list[dict]:
+    """One JSON-able record per sample: prompt, response, score, advantage, finish reason."""
+    adv = batch["advantages"].sum(-1) / batch["response_mask"].sum(-1).clamp(min=1)
+    return [{"uid": batch["uid"][i], "prompt": batch["raw_prompt"][i] if "raw_prompt" in batch else None,
+             "response": batch["response_text"][i], "ground_truth": batch["ground_truth"][i],
+             "score": float(batch["scores"][i]), "advantage": float(adv[i]),
+             "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i])}
+            for i in range(len(batch))]
+
+
+def finite(metrics: dict) -> bool:
+    return all(math.isfinite(v) for v in metrics.values())

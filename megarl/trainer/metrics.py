@@ -1,0 +1,240 @@
+"""Observability of a run: phase timers, step metrics, and the sinks they go to.
+
+Owns: `PhaseTimer` (one `with timer("generate"):` per loop phase), `batch_metrics` (rewards,
+advantages, returns, values, response lengths, clipped responses, entropy, rollout/train log-prob
+gap), `timing_metrics` (per-phase seconds, tokens/s, the driver's share of the step), and
+`RunLogger`: console lines (through the tqdm progress bar over steps), `metrics.jsonl`,
+TensorBoard (`torch.utils.tensorboard.SummaryWriter`), optional wandb, rollout samples as JSONL
+(`rollouts/step_N.jsonl`) and the reward curve as a PNG (`reward_curve.png`, matplotlib Agg).
+
+No Ray, megatron or vLLM.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.algorithms import mismatch_metrics
+from megarl.data.batch import Batch
+
+GENERATION_PHASES = ("generate",)
+WORKER_PHASES = ("old_log_probs", "ref_log_probs", "values", "critic_update", "actor_update", "weight_sync")
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of one step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return values[mask.bool()].float()
+
+
+def _describe(prefix: str, values: torch.Tensor) -> dict:
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def batch_metrics(batch: Batch) -> dict:
+    """What the step's data looked like: rewards, advantages, lengths, entropy, rollout/train gap."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1).float()
+    out = {**_describe("reward/score", batch["scores"]), **_describe("response_length", lengths),
+           "response_length/clip_ratio": float((batch["finish_reason"] == "length").mean())}
+    if "acc" in batch:
+        out["reward/acc"] = float(batch["acc"].float().mean())
+    for key in ("advantages", "returns", "values"):
+        if key in batch:
+            out.update(_describe(key, _masked(batch[key], mask)))
+    if "token_level_rewards" in batch:
+        out["reward/total_mean"] = float(batch["token_level_rewards"].sum(-1).mean())
+    if "entropy" in batch:
+        out["actor/entropy"] = float(_masked(batch["entropy"], mask).mean())
+    if "old_log_probs" in batch:
+        gap = mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], mask)
+        out.update({f"rollout/{k}": float(v) for k, v in gap.items()})
+    return out
+
+
+def timing_metrics(timer: PhaseTimer, batch: Batch) -> dict:
+    """Seconds per phase, throughput, and the share of the step spent outside generation and workers."""
+    step = timer.total
+    out = {f"time/{phase}": seconds for phase, seconds in timer.seconds.items()}
+    out["time/step"] = step
+    busy = sum(timer.seconds.get(p, 0.0) for p in GENERATION_PHASES + WORKER_PHASES)
+    out["time/driver_overhead_share"] = max(0.0, step - busy) / step if step > 0 else 0.0
+    tokens = float(batch["attention_mask"].sum())
+    out["perf/tokens_per_s"] = tokens / step if step > 0 else 0.0
+    generated = float(batch["response_mask"].sum())
+    gen_time = timer.seconds.get("generate", 0.0)
+    out["perf/generated_tokens_per_s"] = generated / gen_time if gen_time > 0 else 0.0
+    return out
+
+
+def mean_metrics(updates: list[dict], prefix: str) -> dict:
+    """Mean of each numeric metric over a step's optimizer updates, under `prefix/`."""
+    out: dict[str, float] = {}
+    keys = {k for u in updates for k, v in u.items() if isinstance(v, (int, float))}
+    for key in sorted(keys):
+        values = [float(u[key]) for u in updates if key in u]
+        out[f"{prefix}/{key}"] = sum(values) / len(values)
+    if updates:
+        out[f"{prefix}/updates"] = float(len(updates))
+    return out
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+class RunLogger:
+    """Console (+ progress bar), metrics.jsonl, TensorBoard, wandb, rollout dumps and the reward plot."""
+
+    def __init__(self, cfg, start_step: int = 0):
+        tr = cfg.trainer
+        self.run_dir = Path(tr.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers, self.every = set(tr.loggers), tr.log_every_steps
+        self.jsonl = self.run_dir / "metrics.jsonl"
+        _truncate_after(self.jsonl, start_step)
+        self.tb = self._tensorboard(start_step) if "tensorboard" in self.loggers else None
+        self.wandb = self._wandb(cfg) if "wandb" in self.loggers else None
+        self.bar = self._progress(tr, start_step)
+
+    def _tensorboard(self, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def _wandb(self, cfg):
+        import wandb
+
+        return wandb.init(project=cfg.trainer.project, name=cfg.trainer.experiment, dir=str(self.run_dir),
+                          resume="allow")
+
+    def _progress(self, tr, start_step: int):
+        if not tr.progress_bar:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=tr.total_steps, initial=start_step, desc=tr.experiment, unit="step", dynamic_ncols=True)
+
+    def print(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def log(self, step: int, metrics: dict, *, advance: bool = True) -> None:
+        """Record one step's metrics (or a validation at `step` with advance=False) in every sink."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if "console" in self.loggers and (not advance or step % self.every == 0):
+            self.print(console_line(step, metrics))
+        if self.bar is not None and advance:
+            self.bar.update(1)
+            self.bar.set_postfix(_postfix(metrics), refresh=False)
+
+    def dump_rollouts(self, step: int, records: list[dict]) -> Path:
+        path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for record in records:
+                f.write(json.dumps(record, default=str) + "\n")
+        return path
+
+    def plot(self) -> Optional[Path]:
+        """reward_curve.png: training score and validation score per step."""
+        return plot_reward_curve(self.jsonl, self.run_dir / "reward_curve.png")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+CONSOLE_KEYS = ("reward/score/mean", "reward/acc", "val/score", "val/acc", "actor/pg_loss", "actor/grad_norm",
+                "critic/loss", "actor/entropy", "response_length/mean", "rollout/mismatch_abs_mean", "time/step")
+
+
+def console_line(step: int, metrics: dict) -> str:
+    shown = [f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics]
+    return f"step {step}: " + " ".join(shown)
+
+
+def _postfix(metrics: dict) -> dict:
+    return {k.split("/")[-2] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}"
+            for k in ("reward/score/mean", "time/step") if k in metrics}
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop lines of steps after `step` (written by a run that was killed before its next checkpoint)."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def plot_reward_curve(jsonl: str | Path, out: str | Path) -> Optional[Path]:
+    """Plot reward/score/mean (training) and val/score (validation) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl)
+    train = [(r["step"], r["reward/score/mean"]) for r in rows if "reward/score/mean" in r]
+    val = [(r["step"], r["val/score"]) for r in rows if "val/score" in r and not math.isnan(r["val/score"])]
+    if not train and not val:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train reward (mean score)", alpha=0.7)
+    if val:
+        ax.plot(*zip(*val), marker="o", label="validation reward (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

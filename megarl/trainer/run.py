@@ -1,0 +1,82 @@
+"""`train(cfg)`: check everything cheap first, then start Ray, the workers and the loop.
+
+Order matters for users: the config is validated (sizes, layouts, names, files) and the prompt
+data is loaded and tokenised (malformed rows, prompts over the limit) *before* `ray.init`, so a
+bad run fails in seconds naming the field, and nothing already in the run directory is touched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from megarl.data.batch import Batch
+
+
+@dataclass
+class RunData:
+    """The driver's data side: tokenizer, training loader, validation prompts, reward runner."""
+
+    tokenizer: object
+    loader: object
+    validation: Optional[Batch]
+    rewards: object
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (int(eos),)
+
+
+def load_run_data(cfg) -> RunData:
+    """Tokenizer, datasets (all row checks happen here) and the reward runner; no worker is started."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.datasets import PromptDataset, PromptLoader, collate_prompts
+    from megarl.rewards import RewardRunner
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    train = PromptDataset(cfg.data, tokenizer)
+    loader = PromptLoader.from_config(train, cfg.data, cfg.trainer.prompts_per_step)
+    validation = None
+    if cfg.validation.files:
+        val = PromptDataset(cfg.data, tokenizer, files=cfg.validation.files)
+        count = min(len(val), cfg.validation.max_prompts or len(val))
+        validation = collate_prompts([val[i] for i in range(count)], tokenizer.pad_token_id).to_batch()
+    return RunData(tokenizer, loader, validation, RewardRunner(cfg.reward))
+
+
+def check_supported(cfg) -> None:
+    """What the trainer does not drive yet, refused before any worker starts."""
+    from megarl.config import ConfigError
+
+    if cfg.rollout.mode != "colocated":
+        raise ConfigError("rollout.mode=server: the trainer drives colocated engines only so far (engine servers"
+                          " exist in megarl.rollout.server); use rollout.mode=colocated")
+    if cfg.algorithm.dapo.filter_groups:
+        raise ConfigError("algorithm.dapo.filter_groups=true (dynamic sampling) is not wired into the trainer"
+                          " yet; set it to false")
+
+
+def train(cfg, derived) -> list[dict]:
+    """Run the configured training; returns the metrics of the steps run by this call."""
+    from megarl.config import save_resolved
+    from megarl.trainer.cluster import Cluster, init_ray
+    from megarl.trainer.loop import RLTrainer
+
+    check_supported(cfg)
+    data = load_run_data(cfg)
+    save_resolved(cfg, cfg.trainer.run_dir)
+    start = time.perf_counter()
+    init_ray(cfg)
+    cluster = Cluster(cfg, derived)
+    print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
+    try:
+        return RLTrainer(cfg, derived, cluster, data).fit()
+    finally:
+        cluster.shutdown()
+        data.rewards.close()
