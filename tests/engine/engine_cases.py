@@ -151,7 +151,7 @@ def offload_rank(hf, steps):
         curves[0].append(plain.update(batch)["loss"])
         curves[1].append(moved.update(batch)["loss"])
         moved.engine.offload()
-        freed.append(device_bytes(moved.engine._state_tensors(), "cpu"))
+        freed.append(device_bytes(moved.engine._state_tensors(), moved.engine.device.type))
         try:
             moved.update(batch)
             freed.append("trained while offloaded")
