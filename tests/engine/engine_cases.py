@@ -159,7 +159,24 @@ def offload_rank(hf, steps):
             assert "onload" in str(err)
         moved.engine.onload()
     weights = [{n: t.clone() for n, t in a.engine.hf_weights()} for a in (plain, moved)]
-    return curves, freed, weights
+    return curves, freed, weights, subset_role_scores(hf)
+
+
+def subset_role_scores(hf):
+    """A reward model on rank 1 only (world of 2): groups are built everywhere, the engine only on its rank."""
+    import torch.distributed as dist
+
+    from megarl.engine.config import EngineConfig
+    from megarl.engine.engine import MegatronEngine
+    from megarl.engine.parallel import build_role_groups
+    from megarl.engine.roles import RewardModel
+    from megarl.models.layout import ParallelLayout
+
+    groups = build_role_groups(ParallelLayout(), world_size=1, rank_offset=1)
+    if not groups.is_member:
+        return dist.get_rank(), None
+    engine = MegatronEngine(hf, EngineConfig(layout=ParallelLayout()), groups, value_head=True)
+    return dist.get_rank(), RewardModel(engine).compute_scores(padded_batch())
 
 
 def scheduled_adam():

@@ -35,8 +35,11 @@ def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transfo
     assert sorted(map(len, rows)) == [4, 4] and not torch.equal(rows[0], rows[1])  # DP2 split the batch
 
 
-def test_offload_then_onload_leaves_training_identical(models):
-    curves, freed, weights = run_distributed(C.offload_rank, 2, models[0], 3, timeout=300)[0]
+def test_offload_then_onload_leaves_training_identical_and_a_role_can_span_one_rank(models):
+    per_rank = run_distributed(C.offload_rank, 2, models[0], 3, timeout=300)
+    curves, freed, weights, _ = per_rank[0]
+    assert per_rank[0][3] == (0, None)  # rank 0 is not part of the one-rank reward model
+    assert per_rank[1][3][0] == 1 and per_rank[1][3][1].shape == (8,) and per_rank[1][3][1].isfinite().all()
     assert curves[0] == curves[1]
     assert all(f == 0 for f in freed), freed  # nothing the engine owns kept its storage while offloaded
     for name, tensor in weights[0].items():
