@@ -127,7 +127,7 @@ class MegatronEngine:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return _comm_device()
 
     # ------------------------------------------------------------------ forward / train
 
@@ -290,7 +290,7 @@ def with_global_denominators(batch: Batch, groups: RoleGroups) -> Batch:
     out = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta), rows=len(batch))
     if "response_mask" not in batch:
         return out
-    counts = torch.stack(loss_denominators(batch["response_mask"])).double()
+    counts = torch.stack(loss_denominators(batch["response_mask"])).double().to(_comm_device())
     if groups.dp_size > 1:
         dist.all_reduce(counts, group=groups.pg.dp)
     out.meta["global_tokens"], out.meta["global_seqs"] = (max(float(c), 1.0) for c in counts)
@@ -308,6 +308,11 @@ def _causal_mask(seq: int, device) -> Optional[torch.Tensor]:
     if torch.cuda.is_available():
         return None
     return torch.ones(seq, seq, dtype=torch.bool, device=device).triu_(1).view(1, 1, seq, seq)
+
+
+def _comm_device() -> torch.device:
+    """Where small collective buffers live: the current GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _micro_loss(head, loss_fn, mb: MicroBatch, scale: float, store: list, output):
@@ -346,7 +351,7 @@ def _reduce_stats(store: list) -> dict:
 
 def _all_reduce_stats(sums: dict, dp_group) -> dict:
     keys = sorted(sums)
-    values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_comm_device())
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(values, group=dp_group)
     total = dict(zip(keys, values.tolist()))
