@@ -10,9 +10,10 @@ from the saved logits plus two per-token scalars (log Z and the entropy), so not
 Vocabulary padding (megatron pads to a multiple of 128 × TP) is masked out: columns at or past
 `vocab_size` get probability 0, so the values equal `log_softmax` over the real vocabulary.
 
-Math, per token with logits x (already divided by the temperature T):
-    log Z = logsumexp(x),  log p(y) = x_y − log Z,  H = log Z − Σ_v p_v x_v
-    ∂ log p(y)/∂x_v = 1[v = y] − p_v,  ∂H/∂x_v = −p_v (x_v − (log Z − H))
+Math, per token with logits x (already divided by the temperature T) and m = max_v x_v:
+    log Z = m + log Σ_v e^(x_v − m),  log p(y) = x_y − log Z,  H = log Σ e^(x−m) − Σ_v p_v (x_v − m)
+    (sums over x − m ≤ 0: no cancellation), and in the backward, with log p_v = x_v − log Z,
+    ∂/∂x_v [g_logp · log p(y) + g_H · H] = g_logp · 1[v = y] − p_v · (g_logp + g_H · (log p_v + H))
 and ∂/∂logits = (∂/∂x) / T.
 
 Imports only torch (the TP group is any torch.distributed group, or None for TP = 1).
