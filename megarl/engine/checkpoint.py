@@ -82,6 +82,8 @@ def _init_adam_state(optimizer) -> None:
     from megarl.engine.offload import inner_optimizers
 
     for inner in inner_optimizers(optimizer):
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # TE / apex FusedAdam keep no per-parameter step
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
