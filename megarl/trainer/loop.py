@@ -199,6 +199,7 @@ class RLTrainer:
         """Final HF export and the reward plot."""
         if self.cfg.trainer.export_hf_at_end:
             self.cluster.call("actor", "export_hf", str(Path(self.cfg.trainer.run_dir) / "hf"))
+        self.log.print(f"[megarl] {self.log.summary()}")
         plot = self.log.plot()
         if plot is not None:
             self.log.print(f"[megarl] reward curve: {plot}")

@@ -176,6 +176,14 @@ class RunLogger:
         """reward_curve.png: training score and validation score per step."""
         return plot_reward_curve(self.jsonl, self.run_dir / "reward_curve.png")
 
+    def summary(self) -> str:
+        """One line: validation score (accuracy) at the first and the last validation."""
+        found = validation_summary(read_metrics(self.jsonl))
+        if found is None:
+            return "no validation ran (set validation.files)"
+        (s0, v0, a0), (s1, v1, a1) = found
+        return f"validation score {v0:.3f} (acc {a0:.2f}) at step {s0} -> {v1:.3f} (acc {a1:.2f}) at step {s1}"
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -211,6 +219,12 @@ def _truncate_after(path: Path, step: int) -> None:
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def validation_summary(rows: list[dict]) -> Optional[tuple[tuple[int, float, float], tuple[int, float, float]]]:
+    """((step, score, acc) of the first validation, (step, score, acc) of the last), or None."""
+    vals = [(r["step"], r["val/score"], r.get("val/acc", float("nan"))) for r in rows if "val/score" in r]
+    return (vals[0], vals[-1]) if vals else None
 
 
 def plot_reward_curve(jsonl: str | Path, out: str | Path) -> Optional[Path]:

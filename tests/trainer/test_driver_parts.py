@@ -1,0 +1,80 @@
+"""Driver pieces without workers: rollout batch assembly, checkpoint bookkeeping, metric sinks."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.data.batch import Batch
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.trainer import batching, state
+from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, timing_metrics
+
+
+def prompts():
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    return Batch.from_dict({"input_ids": ids, "attention_mask": (ids > 0).long(), "position_ids": ids},
+                           {"ground_truth": ["1", "2"], "data_source": ["arithmetic"] * 2})
+
+
+def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
+    reqs = batching.requests(prompts(), SamplingParams(n=2, seed=None), seed=100)
+    assert [r[0] for r in reqs] == [[5, 6], [7, 8, 9, 10]] and [r[1].seed for r in reqs] == [100, 101]
+    done = [[Completion([3], [-0.5], "stop", 4), Completion([4, 3, 3], [-1.0, -2.0, -3.0], "length", 4)],
+            [Completion([9, 3], [-0.1, -0.2], "stop", 4)] * 2]
+    batch = batching.rollout_batch(prompts(), done, pad_token_id=0, group_prefix="7:")
+    assert len(batch) == 4 and "position_ids" not in batch
+    assert batch["input_ids"].tolist()[1] == [0, 0, 5, 6, 4, 3, 3]
+    assert batch["attention_mask"].tolist()[0] == [0, 0, 1, 1, 1, 0, 0]
+    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]]
+    assert batch["rollout_log_probs"][1].tolist() == [-1.0, -2.0, -3.0]
+    assert list(batch["uid"]) == ["7:0", "7:0", "7:1", "7:1"] and list(batch["ground_truth"]) == ["1", "1", "2", "2"]
+    rewards = batching.outcome_rewards(torch.tensor([1.0, 0.5, 0.0, 2.0]), batch["response_mask"])
+    assert rewards.tolist() == [[1, 0, 0], [0, 0, 0.5], [0, 0, 0], [0, 2, 0]]
+    assert [len(b) for b in batching.minibatches(batch, 2, epochs=2)] == [2, 2, 2, 2]
+
+
+def test_only_checkpoints_with_driver_state_count_and_pruning_keeps_the_newest(tmp_path):
+    for step in (2, 4, 6):
+        state.save_driver_state(state.step_dir(tmp_path, step), state.DriverState(step, {"epoch": 0, "position": step}))
+    (state.step_dir(tmp_path, 8) / "actor").mkdir(parents=True)  # killed while saving: incomplete
+    assert state.latest_checkpoint(tmp_path) == state.step_dir(tmp_path, 6)
+    assert state.resolve_resume("auto", tmp_path) == state.step_dir(tmp_path, 6)
+    assert state.resolve_resume("never", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        state.resolve_resume(str(state.step_dir(tmp_path, 8)), tmp_path)
+    assert state.prune_checkpoints(tmp_path, keep=2) == [state.step_dir(tmp_path, 2)]
+    assert state.load_driver_state(state.step_dir(tmp_path, 6)).loader == {"epoch": 0, "position": 6}
+    assert not list(state.step_dir(tmp_path, 6).glob(".*tmp*"))
+
+
+def test_run_logger_writes_jsonl_tensorboard_plot_and_drops_steps_after_a_resume(tmp_path):
+    from megarl.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.trainer.run_dir, cfg.trainer.progress_bar = str(tmp_path), False
+    log = RunLogger(cfg)
+    for step in range(4):
+        log.log(step, {"reward/score/mean": 0.1 * step, "val/score": 0.2 * step}, advance=step > 0)
+    log.close()
+    resumed = RunLogger(cfg, start_step=2)  # a run killed after its step-2 checkpoint logged step 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert resumed.plot().stat().st_size > 0 and list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    resumed.close()
+
+
+def test_step_metrics_and_driver_overhead_share():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = Batch.from_dict({"response_mask": mask, "attention_mask": torch.ones(2, 5), "scores": torch.tensor([1.0, 0.0]),
+                             "advantages": torch.tensor([[1.0, 1.0, 9.0], [-1.0, 9.0, 9.0]]),
+                             "old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.full((2, 3), -0.1)},
+                            {"finish_reason": np.array(["stop", "length"], dtype=object)})
+    m = batch_metrics(batch)
+    assert m["reward/score/mean"] == 0.5 and m["response_length/mean"] == 1.5
+    assert m["response_length/clip_ratio"] == 0.5 and m["advantages/max"] == 1.0  # masked tokens ignored
+    assert m["rollout/mismatch_abs_mean"] == pytest.approx(0.1)
+    timer = PhaseTimer()
+    timer.seconds = {"generate": 0.0, "reward": 0.0}
+    t = timing_metrics(timer, batch)
+    assert 0.99 <= t["time/driver_overhead_share"] <= 1.0 and t["perf/tokens_per_s"] > 0
