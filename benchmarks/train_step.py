@@ -9,8 +9,8 @@ plain `transformers` + AdamW step on the same rows in the same run.
 megarl: `Actor.update` (PPO-clip, unpadded micro-batches packed by --micro-batch-tokens, vocab-parallel
 log-probs, megatron DDP + distributed Adam) on `--tp` ranks. Baseline: the HF model on the padded
 batch, `log_softmax` + gather, the same PPO-clip loss, `torch.optim.AdamW`. Both count real
-(unpadded) tokens; both run one warm-up step, then the best of --steps. Prints tokens/s, the ratio
-megarl / baseline, peak memory on CUDA, and MFU (model FLOPs 6·N·T + causal attention, over the
+(unpadded) tokens; they alternate step by step in one process (same machine load), one warm-up
+step each, then the best of --steps. Prints tokens/s, the ratio megarl / baseline, and MFU (model FLOPs 6·N·T + causal attention, over the
 GPU's dense bf16 peak) when CUDA is present.
 """
 import argparse
@@ -54,8 +54,28 @@ def model_flops(hf_path, batch: Batch) -> float:
     return float(6 * params * lengths.sum() + 6 * layers * h * (lengths ** 2).sum())
 
 
-def megarl_rank(hf_path, batch: Batch, args):
-    """Per rank: build the actor at TP=args.tp, one warm-up update, then time args.steps updates."""
+def bench_rank(hf_path, batch: Batch, args):
+    """Per rank: the actor at TP=args.tp and (rank 0) the transformers baseline, stepped alternately.
+
+    Alternating the two, one step each, keeps them under the same machine load (the 2-core CI
+    machines are shared); each side reports its best step after one warm-up step.
+    """
+    import torch.distributed as dist
+
+    actor = _actor(hf_path, args)
+    megarl_step = lambda: actor.update(batch)  # noqa: E731
+    baseline_step = _hf_step_fn(hf_path, batch) if dist.get_rank() == 0 else (lambda: None)
+    times = {"megarl": [], "transformers": []}
+    for i in range(args.steps + 1):
+        for name, step in (("megarl", megarl_step), ("transformers", baseline_step)):
+            seconds = _timed(step)
+            if i:  # step 0 warms up
+                times[name].append(seconds)
+        dist.barrier()
+    return {name: {"seconds": min(t)} for name, t in times.items()}
+
+
+def _actor(hf_path, args):
     from megarl.engine.config import EngineConfig, OptimConfig
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.parallel import build_role_groups, init_global_state
@@ -66,8 +86,7 @@ def megarl_rank(hf_path, batch: Batch, args):
     groups = build_role_groups(layout)
     init_global_state(groups)
     config = EngineConfig(layout=layout, micro_batch_tokens=args.micro_batch_tokens, optim=OptimConfig(lr=1e-6))
-    actor = Actor(MegatronEngine(hf_path, config, groups))
-    return _timed_steps(lambda: actor.update(batch), args.steps)
+    return Actor(MegatronEngine(hf_path, config, groups))
 
 
 def _sync():
@@ -75,23 +94,16 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed_steps(step, steps: int) -> dict:
-    step()  # warm-up
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        step()
-        _sync()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    return {"seconds": min(times), "peak_bytes": peak}
+def _timed(step) -> float:
+    _sync()
+    start = time.perf_counter()
+    step()
+    _sync()
+    return time.perf_counter() - start
 
 
-def hf_baseline(hf_path, batch: Batch, args) -> dict:
-    """The same update with transformers on the padded batch and torch AdamW."""
+def _hf_step_fn(hf_path, batch: Batch):
+    """One update of the same rows with transformers on the padded batch and torch AdamW."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,7 +111,7 @@ def hf_baseline(hf_path, batch: Batch, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     tensors = {k: v.to(device) for k, v in batch.tensors.items()}
-    return _timed_steps(lambda: _hf_step(model, optimizer, tensors), args.steps)
+    return lambda: _hf_step(model, optimizer, tensors)
 
 
 def _hf_step(model, optimizer, t):
@@ -125,7 +137,6 @@ def report(args, hf_path, batch, ours, base) -> None:
     for name, result in (("megarl engine", ours), ("transformers ", base)):
         line = f"  {name}: {tokens / result['seconds']:10.0f} tokens/s  ({result['seconds'] * 1e3:.0f} ms/step)"
         if torch.cuda.is_available():
-            line += f"  peak {result['peak_bytes'] / 2**30:.2f} GiB"
             line += f"  MFU {_mfu(hf_path, batch, result['seconds'], args):.1%}"
         print(line)
     print(f"  ratio megarl / transformers = {base['seconds'] / ours['seconds']:.2f}x tokens/s")
@@ -146,10 +157,9 @@ def main(args) -> None:
         save_tiny_hf_model(args.arch, hf_path, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                            num_kv_heads=args.kv_heads, intermediate_size=4 * args.hidden, vocab_size=args.vocab)
         batch = synthetic_batch(args.rows, args.prompt, args.response, args.vocab)
-        ours = run_distributed(megarl_rank, args.tp, str(hf_path), batch, args,
-                               num_threads=max(1, args.threads // args.tp))[0]
-        base = hf_baseline(str(hf_path), batch, args)
-        report(args, hf_path, batch, ours, base)
+        result = run_distributed(bench_rank, args.tp, str(hf_path), batch, args,
+                                 num_threads=max(1, args.threads // args.tp))[0]
+        report(args, hf_path, batch, result["megarl"], result["transformers"])
 
 
 def parse_args(argv=None):
