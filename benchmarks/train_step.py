@@ -7,8 +7,8 @@ plain `transformers` + AdamW step on the same rows in the same run.
         --rows 64 --prompt 512 --response 1536 --micro-batch-tokens 16384    # on a GPU (bf16)
 
 megarl: `Actor.update` (PPO-clip, unpadded micro-batches packed by --micro-batch-tokens, vocab-parallel
-log-probs, megatron DDP + distributed Adam) on `--tp` ranks. Baseline: the HF model on the padded
-batch, `log_softmax` + gather, the same PPO-clip loss, `torch.optim.AdamW`. Both count real
+log-probs and entropy, megatron DDP + distributed Adam) on `--tp` ranks. Baseline: the HF model on
+the padded batch, `log_softmax` + gather, the entropy statistic, the same PPO-clip loss, AdamW. Both count real
 (unpadded) tokens; they alternate step by step in one process (same machine load), one warm-up
 step each, then the best of --steps. Prints tokens/s, the ratio megarl / baseline, and MFU (model FLOPs 6·N·T + causal attention, over the
 GPU's dense bf16 peak) when CUDA is present.
@@ -115,13 +115,17 @@ def _hf_step_fn(hf_path, batch: Batch):
 
 
 def _hf_step(model, optimizer, t):
-    from megarl.algorithms import LossAggregation, PolicyLossConfig, PolicyLossInputs, get_policy_loss
+    from megarl.algorithms import (
+        LossAggregation, PolicyLossConfig, PolicyLossInputs, entropy_from_logits, get_policy_loss,
+    )
 
     response = t["response_mask"].shape[1]
     positions = (t["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     logits = model(t["input_ids"], attention_mask=t["attention_mask"], position_ids=positions).logits
     logits = logits[:, -response - 1:-1].float()
     log_probs = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, -response:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():  # the entropy statistic every actor update reports (megarl's head computes it too)
+        entropy_from_logits(logits)
     inputs = PolicyLossInputs(log_probs, t["old_log_probs"], t["advantages"], t["response_mask"])
     loss, _ = get_policy_loss("ppo_clip")(inputs, PolicyLossConfig(), LossAggregation.for_batch("token-mean", t["response_mask"]))
     optimizer.zero_grad(set_to_none=True)
