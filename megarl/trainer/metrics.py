@@ -227,6 +227,14 @@ def validation_summary(rows: list[dict]) -> Optional[tuple[tuple[int, float, flo
     return (vals[0], vals[-1]) if vals else None
 
 
+def _moving_average(values, window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_reward_curve(jsonl: str | Path, out: str | Path) -> Optional[Path]:
     """Plot reward/score/mean (training) and val/score (validation) against the step."""
     import matplotlib
@@ -241,7 +249,9 @@ def plot_reward_curve(jsonl: str | Path, out: str | Path) -> Optional[Path]:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), label="train reward (mean score)", alpha=0.7)
+        steps, scores = zip(*train)
+        ax.plot(steps, scores, label="train reward (mean score)", alpha=0.35)
+        ax.plot(steps, _moving_average(scores, max(1, len(scores) // 20)), label="train reward (moving average)")
     if val:
         ax.plot(*zip(*val), marker="o", label="validation reward (greedy)")
     ax.set_xlabel("step")

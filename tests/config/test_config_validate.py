@@ -77,7 +77,7 @@ def test_derived_sizes_of_the_70b_config():
     (["resources.gpus_per_node=8", "actor.layout.tp=1", "trainer.prompts_per_step=3", "rollout.samples_per_prompt=2"],
      r"trainer\.prompts_per_step \* rollout\.samples_per_prompt = 3 \* 2 = 6\) is not divisible by actor's"
      r" data-parallel size 8"),
-    (["actor.prompts_per_update=3"], r"actor\.prompts_per_update=3 does not divide trainer\.prompts_per_step=8"),
+    (["actor.prompts_per_update=3"], r"actor\.prompts_per_update=3 does not divide trainer\.prompts_per_step=32"),
     (["actor.layout.tp=1", "actor.prompts_per_update=1", "rollout.samples_per_prompt=1"],
      r"samples per update \(actor\.prompts_per_update \* rollout\.samples_per_prompt = 1 \* 1 = 1\) is not"
      r" divisible by actor's data-parallel size 2"),
@@ -100,7 +100,7 @@ def test_derived_sizes_of_the_70b_config():
     (["algorithm.advantage.estimator=gae"], r"estimator='gae' needs critic values but critic\.enabled is false; set critic\.enabled=true"),
     (["algorithm.kl_loss.coef=0.1", "ref.enabled=false"], r"a KL term is on .* ref\.enabled=false"),
     (["reward.reward_fn=no_such_reward"], r"reward\.reward_fn: unknown reward 'no_such_reward'"),
-    (["algorithm.critic_warmup_steps=100"], r"algorithm\.critic_warmup_steps=100 must be in \[0, trainer\.total_steps=60\)"),
+    (["algorithm.critic_warmup_steps=300"], r"algorithm\.critic_warmup_steps=300 must be in \[0, trainer\.total_steps=200\)"),
     # files and lengths
     (["data.files=[nowhere/train.parquet]"], r"data\.files: 'nowhere/train\.parquet' does not exist"),
     (["model.hf_path=nowhere"], r"model\.hf_path='nowhere' has no config\.json"),
