@@ -1,8 +1,8 @@
 """The vLLM rollout backend, in-process (`vllm.LLM`), with weights pushed in place.
 
-Owns: `VLLMEngine`. The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-set here unless the caller chose otherwise), so a colocated trainer rank, or an engine server
-(`server.py`), hands it a plain Python iterator of (HF name, tensor):
+Owns: `VLLMEngine`. By default the engine runs in the calling process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so an engine server (`server.py`) or a single-process
+trainer hands it a plain Python iterator of (HF name, tensor):
 `llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=...))` streams them into the
 model's own weight loaders (vLLM shards them for its TP), then the prefix cache is reset (cached
 KV belongs to the old weights). Updates are checked first against the HF checkpoint the engine
@@ -10,15 +10,18 @@ was built from (safetensors headers: names and shapes), so a bad update loads no
 
 Sleep/wake: on GPU `llm.sleep(level=1)` offloads weights and drops the KV cache around training
 (needs `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and
-both are no-ops apart from refusing requests while asleep. Multi-process vLLM (GPU, TP > 1)
-cannot take a local iterator; it loads buckets through IPC handles (`sharding/ipc.py`,
-`MegarlWorkerExtension`, installed as vLLM's `worker_extension_cls` on every engine).
+both are no-ops apart from refusing requests while asleep. In a process that is already a
+torch.distributed rank (colocated with training) the engine core runs in a child process
+instead — vLLM's in-process start-up would run collectives on the training world and hang —
+and updates travel as IPC buckets (`sharding/ipc.py`, `MegarlWorkerExtension`, installed as
+vLLM's `worker_extension_cls` on every engine): shared memory on CPU, CUDA IPC on GPU.
 
 Stop behaviour: `ignore_eos=True`, generation stops only at `SamplingParams.stop_token_ids` (put
 the EOS id there), so both backends and `transformers` agree on what ends a completion.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -32,13 +35,27 @@ WORKER_EXTENSION = "megarl.rollout.sharding.ipc.MegarlWorkerExtension"
 
 
 class VLLMEngine(RolloutEngine):
-    """`vllm.LLM` behind the rollout-engine API (CPU build in tests, CUDA in production)."""
+    """`vllm.LLM` behind the rollout-engine API (CPU build in tests, CUDA in production).
+
+    in_process: True runs vLLM's engine core in this process (weights stream in as a Python
+    iterator); False runs it in a child process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) and updates
+    travel as IPC buckets of `ipc_bucket_bytes`. None picks in-process unless this process is
+    already in a torch.distributed world (a colocated training rank): vLLM's in-process start-up
+    would then create groups on the training world (`new_group`), a collective the other training
+    ranks never join, and hang.
+    """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: Optional[int] = None,
                  seed: int = 0, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20, **llm_kwargs):
+                 enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20,
+                 in_process: Optional[bool] = None, ipc_bucket_bytes: int = 256 << 20, **llm_kwargs):
         super().__init__()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch.distributed as dist
+
+        self.in_process = (not (dist.is_available() and dist.is_initialized())) if in_process is None \
+            else in_process
+        self.ipc_bucket_bytes = ipc_bucket_bytes
+        _set_vllm_multiprocessing(not self.in_process)
         from vllm import LLM
 
         self.model_path = str(model_path)
@@ -55,6 +72,13 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         self._expected = checkpoint_shapes(self.model_path)
         self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core process (multiprocess mode), so it does not outlive this process."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     def describe(self) -> str:
         return f"vLLM ({Path(self.model_path).name})"
@@ -64,6 +88,13 @@ class VLLMEngine(RolloutEngine):
         return self._expected
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if not self.in_process:  # an iterator cannot cross into the engine-core process: IPC buckets
+            from megarl.rollout.sharding.ipc import IpcSender, rebucket, serve_buckets
+
+            ipc = IpcSender(self)
+            serve_buckets(ipc.address_template, 0, ipc.authkey, rebucket(weights, self.ipc_bucket_bytes),
+                          lambda: self._reload_by_ipc(ipc.address_template, ipc.authkey))
+            return
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
         if self._tied:
             self.llm.collective_rpc(repack_tied_lm_head)
@@ -73,10 +104,13 @@ class VLLMEngine(RolloutEngine):
         """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
         self.check_update(specs)
         with self._lock:
-            self.llm.collective_rpc("megarl_reload_by_ipc", args=(address_template, authkey))
-            self.llm.reset_prefix_cache()
+            self._reload_by_ipc(address_template, authkey)
             self.version += 1
         return self.version
+
+    def _reload_by_ipc(self, address_template: str, authkey: bytes) -> None:
+        self.llm.collective_rpc("megarl_reload_by_ipc", args=(address_template, authkey))
+        self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         if self.on_gpu:
@@ -125,6 +159,15 @@ def _completion(output, with_logprobs: bool) -> Completion:
     tokens = list(output.token_ids)
     logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, tokens)] if with_logprobs else None
     return Completion(tokens, logprobs, output.finish_reason or "length")
+
+
+def _set_vllm_multiprocessing(enabled: bool) -> None:
+    """Choose vLLM's engine-core placement before it starts (vLLM caches env reads after an engine start)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if enabled else "0"
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
 
 
 def repack_tied_lm_head(worker) -> None:

@@ -108,3 +108,45 @@ def check_sync(snaps, actor, weights, actor_path, atol):
     assert torch.equal(snaps["resynced"][1], snaps["perturbed"][1])
     for completions in snaps["synced"][0]:
         assert all(len(c.logprobs) == len(c.token_ids) == GREEDY["max_tokens"] for c in completions)
+
+
+def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="embedded"):
+    """Every rank of the actor; the rollout rank hosts the engine (colocated). Sync, perturb, sync, sync."""
+    from megarl.rollout.sharding.manager import ShardingManager
+
+    bridge, chunks = build_actor(actor_path, layout)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
+    engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
+    snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank}
+
+    def snapshot(tag):
+        if engine is not None:
+            snaps[tag] = engine_snapshot(engine, sequences)
+        actor[tag] = actor_log_probs(chunks, bridge, sequences)
+
+    try:
+        snapshot("before")
+        out["version1"] = manager.sync(engine)
+        snapshot("synced")
+        perturb_layers(chunks)
+        manager.sync(engine)
+        snapshot("perturbed")
+        reference = reference_export(bridge, chunks)
+        out["version3"] = manager.sync(engine)
+        snapshot("resynced")
+        if engine is not None:
+            out["weights"] = reference
+            if backend == "embedded":
+                out["engine_equals_reference"] = all(torch.equal(engine._params[n], t) for n, t in reference.items())
+            out["final_versions"] = {c.version for cs in snaps["resynced"][0] for c in cs}
+    finally:
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+    out.update(snaps=snaps, actor=actor, exchanges=manager.metadata_exchanges, buckets=len(manager.plan.buckets))
+    return out
+
+
+def _make_engine(backend, path):
+    from megarl.rollout import create_engine
+
+    return create_engine(path, backend=backend)

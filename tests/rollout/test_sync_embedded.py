@@ -11,47 +11,15 @@ import torch
 
 from megarl.models.layout import ParallelLayout
 from megarl.testing.dist import run_distributed
-from rollout_sync_checks import (actor_log_probs, build_actor, check_sync, engine_snapshot, fixed_sequences,
-                                 perturb_layers, reference_export)
+from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
 
 ATOL = 1e-4
-
-
-def embedded_sync_rank(actor_path, engine_path, layout, sequences):
-    from megarl.rollout.embedded import EmbeddedEngine
-    from megarl.rollout.sharding.manager import ShardingManager
-
-    bridge, chunks = build_actor(actor_path, layout)
-    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
-    engine = EmbeddedEngine(engine_path) if manager.is_rollout_rank else None
-    snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank}
-
-    def snapshot(tag):
-        if engine is not None:
-            snaps[tag] = engine_snapshot(engine, sequences)
-        actor[tag] = actor_log_probs(chunks, bridge, sequences)
-
-    snapshot("before")
-    out["version1"] = manager.sync(engine)
-    snapshot("synced")
-    perturb_layers(chunks)
-    manager.sync(engine)
-    snapshot("perturbed")
-    reference = reference_export(bridge, chunks)
-    out["version3"] = manager.sync(engine)
-    snapshot("resynced")
-    if engine is not None:
-        out["weights"] = reference
-        out["engine_equals_reference"] = all(torch.equal(engine._params[n], t) for n, t in reference.items())
-        out["final_versions"] = {c.version for cs in snaps["resynced"][0] for c in cs}
-    out.update(snaps=snaps, actor=actor, exchanges=manager.metadata_exchanges, buckets=len(manager.plan.buckets))
-    return out
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", ParallelLayout(tp=2, pp=2)), ("qwen3", ParallelLayout(pp=2, vpp=2))],
                          ids=["llama-tp2xpp2", "qwen3-pp2xvpp2"])
 def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
-    results = run_distributed(embedded_sync_rank, layout.tp * layout.pp, str(rollout_models[arch]),
+    results = run_distributed(colocated_sync_rank, layout.tp * layout.pp, str(rollout_models[arch]),
                               str(rollout_models[arch + "_other"]), layout, fixed_sequences(), timeout=240)
     rollout = next(r for r in results if r["rollout"])
     last = results[-1]

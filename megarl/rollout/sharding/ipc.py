@@ -48,33 +48,70 @@ class IpcSender:
 
     def send(self, plan, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
         """Hand every bucket to the engine's workers; returns the engine's new version."""
-        from torch.multiprocessing.reductions import reduce_tensor
+        return serve_buckets(self.address_template, self.local_rank, self.authkey, map(flatten, buckets),
+                             lambda: self.engine.update_weights_by_ipc(self.address_template, self.authkey,
+                                                                       specs=self._specs))
 
-        address = self.address_template.format(rank=self.local_rank)
-        result: dict = {}
-        with Listener(address, family="AF_UNIX", authkey=self.authkey) as listener:
-            worker = threading.Thread(target=self._reload, args=(result,), daemon=True)
-            worker.start()
-            with listener.accept() as conn:
-                for tensors in buckets:
-                    flat = torch.cat([t.reshape(-1) for _, t in tensors])
-                    layout = [(name, tuple(t.shape)) for name, t in tensors]
-                    conn.send((reduce_tensor(flat), layout))
-                    if conn.recv() != "ok":  # the worker has copied the bucket; the buffer may go
-                        raise RuntimeError("vLLM worker did not acknowledge a weight bucket")
-                    del flat
-                conn.send(None)
-            worker.join()
-        if "error" in result:
-            raise result["error"]
-        return result["version"]
 
-    def _reload(self, result: dict) -> None:
+def flatten(tensors: list[tuple[str, torch.Tensor]]):
+    """(one flat buffer, [(name, shape)]) of a bucket of same-dtype tensors."""
+    return torch.cat([t.reshape(-1) for _, t in tensors]), [(name, tuple(t.shape)) for name, t in tensors]
+
+
+def serve_buckets(address_template: str, local_rank: int, authkey: bytes, buckets, receive):
+    """Listen, run `receive()` (which makes the workers connect and load) on a thread, feed it the buckets.
+
+    buckets: iterable of (flat buffer, [(name, shape)]).
+
+    Returns what `receive()` returned; re-raises what it raised.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    address = address_template.format(rank=local_rank)
+    result: dict = {}
+
+    def run():
         try:
-            result["version"] = self.engine.update_weights_by_ipc(self.address_template, self.authkey,
-                                                                   specs=self._specs)
+            result["value"] = receive()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
             result["error"] = exc
+
+    with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        with listener.accept() as conn:
+            for flat, layout in buckets:
+                conn.send((reduce_tensor(flat), layout))
+                if conn.recv() != "ok":  # the worker has copied the bucket; the buffer may go
+                    raise RuntimeError("vLLM worker did not acknowledge a weight bucket")
+                del flat
+            conn.send(None)
+        worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def rebucket(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """(flat, layout) buckets of ≤ bucket_bytes (one dtype each) from a stream of tensors.
+
+    Each tensor is copied into the bucket's buffer as it arrives, so the stream may reuse its
+    tensors' memory afterwards (the sharding manager's are valid only until the next bucket).
+    """
+    flat, layout, used = None, [], 0
+    for name, tensor in weights:
+        numel = tensor.numel()
+        if flat is not None and (used + numel > flat.numel() or tensor.dtype != flat.dtype):
+            yield flat[:used], layout
+            flat, layout, used = None, [], 0
+        if flat is None:
+            capacity = max(numel, bucket_bytes // tensor.element_size())
+            flat = torch.empty(capacity, dtype=tensor.dtype, device=tensor.device)
+        flat[used:used + numel].view(tensor.shape).copy_(tensor)
+        layout.append((name, tuple(tensor.shape)))
+        used += numel
+    if flat is not None:
+        yield flat[:used], layout
 
 
 class MegarlWorkerExtension:
