@@ -66,14 +66,18 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int):
     per_param = ShardingManager(bridge, chunks, bucket_bytes=1)
     total = fast.plan.total_bytes
     hf_bytes = sum(torch.Size(s.shape).numel() * 4 for s in fast.hf_specs())
-    numel = total // 4
-    check = _check_against_reference(fast, bridge, chunks, pp_rank)
 
     def consume(manager):
         def run():
             for _name, tensor in manager.iter_weights():
                 pass  # an engine would copy `tensor` into its parameter here
         return run
+
+    numel = total // 4
+    rss_before = _max_rss_mb()
+    consume(fast)()  # first sync: how far does rank 0's peak memory grow?
+    rss_growth = _max_rss_mb() - rss_before
+    check = _check_against_reference(fast, bridge, chunks, pp_rank)
 
     src = torch.randn(numel) if rank == 0 else None
     dst = torch.empty(numel) if rank == 0 else None
@@ -103,7 +107,13 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int):
                 buckets=len(fast.plan.buckets), per_param_buckets=len(per_param.plan.buckets),
                 largest_bucket=max(b.nbytes for b in fast.plan.buckets), check=check,
                 params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
-                exchanges=fast.metadata_exchanges)
+                exchanges=fast.metadata_exchanges, rss_growth=rss_growth)
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank):
@@ -164,6 +174,9 @@ def main():
     print(f"plan: {result['buckets']} buckets of ≤ {args.bucket_mb:g} MiB (largest {result['largest_bucket'] / 2**20:.1f}"
           f" MiB); per-param plan: {result['per_param_buckets']} buckets; metadata exchanges: {result['exchanges']}")
     print(f"synced tensors equal the bridge's reference export: {result['check']}")
+    print(f"rank 0 peak RSS growth during the first sync: {result['rss_growth']:.0f} MiB (bucket bound"
+          f" {args.bucket_mb:g} MiB, largest bucket {result['largest_bucket'] / 2**20:.0f} MiB; model"
+          f" {result['hf_bytes'] / 2**20:.0f} MiB)")
     for name, seconds in result["times"].items():
         print(f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s")
     t = result["times"]

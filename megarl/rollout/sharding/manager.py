@@ -24,7 +24,12 @@ from megarl.rollout.sharding.transport import BufferRing, stream_buckets, unpack
 
 @dataclass
 class TrainGroups:
-    """Process groups of one model replica of the training layout (TP × PP)."""
+    """Process groups of one model replica of the training layout (TP × PP).
+
+    The transport moves bytes point to point on the default group (global ranks); `mp_group`
+    carries the one metadata exchange and the agreement before an update. `tp_group` is kept
+    for callers and for collective transports; the point-to-point transport does not use it.
+    """
 
     tp_group: object
     mp_group: object
