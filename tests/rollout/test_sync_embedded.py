@@ -7,7 +7,6 @@ perturbing the actor changes the outputs, a sync of unchanged weights changes no
 exchanged once; the synced tensors equal the bridge's reference export bit for bit.
 """
 import pytest
-import torch
 
 from megarl.models.layout import ParallelLayout
 from megarl.testing.dist import run_distributed
