@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import random
 import shutil
 from pathlib import Path
@@ -28,15 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.convert import MARKER, read_metadata, save_strategy
-from megarl.models.hf_io import CheckpointError, HFShardWriter, write_index
-from megarl.utils.atomic import check_target, commit_directory, staging_path
+from megarl.models.hf_io import CheckpointError, HFShardWriter, copy_hf_side_files, write_index
+from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
 
 FORMAT_VERSION = 1
 # 'fully_reshardable' loads at any TP/PP/DP. (megatron-core 0.19.2's default, 'fully_sharded_model_space',
 # fails: it still passes `flattened_range`, which 0.19.2's ShardedTensor rejects.)
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _model_state(engine) -> dict:
@@ -160,44 +157,19 @@ def _meta(engine) -> dict:
             "has_optimizer": engine.optimizer is not None, "model_type": engine.bridge.dims.model_type}
 
 
-def _staging_dir(target: Path) -> Path:
-    box = [None]
-    if dist.get_rank() == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        box[0] = str(staging_path(target))
-        Path(box[0]).mkdir()
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-def _copy_hf_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in _HF_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-
-
-def _publish(staging: Path, target: Path, meta: dict) -> None:
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (staging / MARKER).write_text(json.dumps(meta, indent=2))
-        commit_directory(staging, target, MARKER)
-    dist.barrier()
-
-
 def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
     """Write model, optimizer, scheduler, RNG and step into `path` atomically (collective)."""
     from megatron.core import dist_checkpointing
 
     target = check_target(path, overwrite)
-    staging = _staging_dir(target)
+    staging = shared_staging_dir(target)
     try:
         dist_checkpointing.save(_full_state(engine, loading=False, with_rng=True), str(staging),
                                 sharded_strategy=save_strategy())
         if dist.get_rank() == 0:
-            _copy_hf_files(Path(engine.hf_path), staging / "hf")
+            copy_hf_side_files(Path(engine.hf_path), staging / "hf")
         meta = _meta(engine)
-        _publish(staging, target, meta)
+        publish_collective(staging, target, MARKER, meta)
         return meta
     except BaseException:
         if dist.get_rank() == 0:
@@ -235,7 +207,7 @@ def load_checkpoint(engine, path) -> dict:
 def export_hf(engine, path, *, overwrite: bool = True) -> dict:
     """Write the engine's weights as an HF safetensors checkpoint (+ config and tokenizer files), atomically."""
     target = check_target(path, overwrite)
-    staging = _staging_dir(target)
+    staging = shared_staging_dir(target)
     groups = engine.groups
     writes = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
     prefix = f"model-pp{groups.pp_rank:03d}" if engine.config.layout.pp > 1 else "model"
@@ -249,6 +221,6 @@ def export_hf(engine, path, *, overwrite: bool = True) -> dict:
     summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
     if dist.get_rank() == 0:
         write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
-        _copy_hf_files(Path(engine.hf_path), staging)
-    _publish(staging, target, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step})
+        copy_hf_side_files(Path(engine.hf_path), staging)
+    publish_collective(staging, target, MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step})
     return summary

@@ -23,15 +23,12 @@ from typing import Optional
 import torch
 
 from megarl.models.hf_config import describe_hf_config, load_hf_config
-from megarl.models.hf_io import HFCheckpointReader, HFShardWriter, CheckpointError, write_index
+from megarl.models.hf_io import CheckpointError, HFCheckpointReader, HFShardWriter, copy_hf_side_files, write_index
 from megarl.models.layout import ParallelLayout
-from megarl.utils.atomic import check_target, commit_directory, staging_path
+from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
 
 MARKER = "megarl_checkpoint.json"
 FORMAT_VERSION = 1
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
-                  "tokenizer.model", "added_tokens.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,42 +139,11 @@ def load_model_state(chunks, state: dict) -> None:
             raise CheckpointError(f"checkpoint lacks parameters {missing[:5]}")
 
 
-def _shared_staging(target: Path) -> Path:
-    """Rank 0 creates the staging directory next to `target`; every rank learns its path."""
-    import torch.distributed as dist
-
-    box = [None]
-    if dist.get_rank() == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        box[0] = str(staging_path(target))
-        Path(box[0]).mkdir()
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-def _publish(staging: Path, plan: ConversionPlan, meta: dict) -> None:
-    """Rank 0 writes the marker last and renames the staging directory into place."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (staging / MARKER).write_text(json.dumps(meta, indent=2))
-        commit_directory(staging, Path(plan.dst), MARKER)
-    dist.barrier()
-
-
 def _cleanup_on_error(staging: Optional[Path]) -> None:
     import torch.distributed as dist
 
     if staging is not None and dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in _HF_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
 
 
 def _progress(total: int, desc: str):
@@ -208,13 +174,13 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         with _progress(n_params, "hf→mcore") as bar:
             bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, progress=lambda _: bar.update())
         loaded = time.perf_counter()
-        staging = _shared_staging(Path(plan.dst))
+        staging = shared_staging_dir(Path(plan.dst))
         dist_checkpointing.save(sharded_model_state(chunks), str(staging), sharded_strategy=save_strategy())
         meta = {"format_version": FORMAT_VERSION, "kind": "model", "model_type": bridge.dims.model_type,
                 "dtype": plan.dtype, "written_with_layout": dataclasses.asdict(plan.layout), "source": plan.src}
         if torch.distributed.get_rank() == 0:
-            _copy_side_files(Path(plan.src), staging / "hf")
-        _publish(staging, plan, meta)
+            copy_hf_side_files(Path(plan.src), staging / "hf")
+        publish_collective(staging, Path(plan.dst), MARKER, meta)
         return {**meta, "seconds": {"load": loaded - start, "save": time.perf_counter() - loaded}}
     except BaseException:
         _cleanup_on_error(staging)
@@ -229,7 +195,7 @@ def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
     try:
         bridge, chunks, tp_rank, pp_rank = _build(plan, Path(plan.src) / "hf")
         load_model_state(chunks, dist_checkpointing.load(sharded_model_state(chunks), plan.src))
-        staging = _shared_staging(Path(plan.dst))
+        staging = shared_staging_dir(Path(plan.dst))
         writes = tp_rank == 0 and ps.get_data_parallel_rank() == 0
         writer = HFShardWriter(staging, prefix=f"model-pp{pp_rank:03d}" if plan.layout.pp > 1 else "model")
         with _progress(bridge.count_hf_tensors(chunks, pp_rank), "mcore→hf") as bar:
@@ -243,9 +209,10 @@ def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
         summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
         if dist.get_rank() == 0:
             write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
-            _copy_side_files(Path(plan.src) / "hf", staging)
+            copy_hf_side_files(Path(plan.src) / "hf", staging)
             summary["format_version"] = FORMAT_VERSION
-        _publish(staging, plan, {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src})
+        publish_collective(staging, Path(plan.dst), MARKER,
+                           {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src})
         return summary
     except BaseException:
         _cleanup_on_error(staging)

@@ -7,6 +7,7 @@ Must not import megatron, vLLM or Ray.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -14,6 +15,10 @@ import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                 "tokenizer.model", "added_tokens.json")
+"""Everything of an HF checkpoint but its weights: config, generation config, tokenizer files."""
 
 
 class CheckpointError(ValueError):
@@ -120,3 +125,12 @@ def write_index(path: str | Path, weight_map: dict[str, str], total_bytes: int) 
     """The `model.safetensors.index.json` that `transformers` uses to find sharded tensors."""
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def copy_hf_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the config and tokenizer files (`HF_SIDE_FILES`) that exist in `src` into `dst`."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)

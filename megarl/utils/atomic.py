@@ -3,11 +3,13 @@
 Owns: `check_target` (refuse to overwrite a checkpoint unless asked) and `atomic_directory`,
 which writes into a hidden sibling and renames it into place only after the writer finished and
 wrote its completion marker. A crash leaves the old directory (if any) intact and a
-`.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint.
+`.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint. `shared_staging_dir` and
+`publish_collective` are the same protocol for a directory written by every rank of a world.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -59,3 +61,27 @@ def atomic_directory(path: str | Path, marker: str, overwrite: bool = False) -> 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def shared_staging_dir(target: Path) -> Path:
+    """Collective: rank 0 creates the staging directory next to `target`; every rank learns its path."""
+    import torch.distributed as dist
+
+    box = [None]
+    if dist.get_rank() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = str(staging_path(target))
+        Path(box[0]).mkdir()
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def publish_collective(staging: Path, target: Path, marker: str, meta: dict) -> None:
+    """Collective: once every rank has written, rank 0 writes the marker (`meta` as JSON) and publishes."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (staging / marker).write_text(json.dumps(meta, indent=2))
+        commit_directory(staging, target, marker)
+    dist.barrier()

@@ -1,5 +1,4 @@
 """Rank meshes, DP splitting and result collection, pool bundles: pure logic, no Ray."""
-import numpy as np
 import pytest
 import torch
 
