@@ -40,7 +40,7 @@ def train_command(config: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "megarl.cli", "train", "--config", str(REPO / "configs" / config), *args]
 
 
-def run_train(config: str, args: list[str], timeout: float = 240, env: dict | None = None):
+def run_train(config: str, args: list[str], timeout: float = 480, env: dict | None = None):
     """Run `megarl train` to completion; (returncode, output, seconds)."""
     start = time.perf_counter()
     proc = subprocess.run(train_command(config, args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
