@@ -14,7 +14,7 @@ from typing import Optional
 
 import ray
 
-from megarl.controller import RankMesh, WorkerGroup, pools_from_config
+from megarl.controller import WorkerGroup, plan_placement, pools_from_config, role_mesh
 from megarl.data.batch import Batch
 from megarl.trainer.worker import ROLE_WORKERS, ProcessSetup, RolloutWorker, engine_ranks
 
@@ -26,21 +26,20 @@ class Cluster:
 
     def __init__(self, cfg, derived):
         self.cfg, self.derived = cfg, derived
-        pools = pools_from_config(cfg)
-        used = {getattr(cfg, role).pool for role in derived.roles}
+        pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
         threads = max(1, int(cfg.resources.cpus_per_worker))
         self.groups: dict[str, WorkerGroup] = {}
-        for name in sorted(used, key=lambda n: n != cfg.actor.pool):
+        for name in sorted(plan, key=lambda n: n != cfg.actor.pool):
             group = WorkerGroup(pools[name], name=name, env=WORKER_ENV)
             group.add_role("process", ProcessSetup, cfg.resources.accelerator, cfg.trainer.seed, threads)
             self.groups[name] = group
-        self.meshes = {role: RankMesh(getattr(cfg, role).layout, derived.role_world[role]) for role in derived.roles}
-        built: set[str] = set()
-        for role in derived.roles:
-            pool = getattr(cfg, role).pool
-            self.groups[pool].add_role(role, ROLE_WORKERS[role], cfg, first=pool not in built)
-            built.add(pool)
-        self.actor_group.add_role("rollout", RolloutWorker, cfg)
+        self.meshes = {role: role_mesh(cfg, role, derived) for role in derived.roles}
+        for name, roles in plan.items():  # build order: actor, ref, critic, reward model, rollout
+            for i, role in enumerate(roles):
+                if role == "rollout":
+                    self.groups[name].add_role("rollout", RolloutWorker, cfg)
+                else:
+                    self.groups[name].add_role(role, ROLE_WORKERS[role], cfg, first=i == 0)
         self.engine_ranks = engine_ranks(self.actor_group.world_size, cfg.rollout.tp)
 
     @property
@@ -93,22 +92,3 @@ class Cluster:
         for group in self.groups.values():
             group.shutdown()
         self.groups = {}
-
-
-def init_ray(cfg) -> None:
-    """Join resources.ray_address, or start a local Ray sized for the run (CPU runs: fake nothing)."""
-    import os
-
-    if ray.is_initialized():
-        return
-    if cfg.resources.ray_address:
-        ray.init(address=cfg.resources.ray_address, log_to_driver=True)
-        return
-    res = cfg.resources
-    need_cpus = res.nodes * res.gpus_per_node * res.cpus_per_worker
-    kwargs = dict(num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)), include_dashboard=False)
-    if res.accelerator == "gpu":
-        import torch
-
-        kwargs["num_gpus"] = torch.cuda.device_count()
-    ray.init(**kwargs, log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1")

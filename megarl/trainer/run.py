@@ -6,6 +6,7 @@ bad run fails in seconds naming the field, and nothing already in the run direct
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -65,14 +66,15 @@ def check_supported(cfg) -> None:
 def train(cfg, derived) -> list[dict]:
     """Run the configured training; returns the metrics of the steps run by this call."""
     from megarl.config import save_resolved
-    from megarl.trainer.cluster import Cluster, init_ray
+    from megarl.controller import init_ray
+    from megarl.trainer.cluster import Cluster
     from megarl.trainer.loop import RLTrainer
 
     check_supported(cfg)
     data = load_run_data(cfg)
     save_resolved(cfg, cfg.trainer.run_dir)
     start = time.perf_counter()
-    init_ray(cfg)
+    init_ray(cfg, log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1")  # worker logs: Ray session dir
     cluster = Cluster(cfg, derived)
     print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
     try:
