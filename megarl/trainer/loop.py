@@ -11,7 +11,6 @@ and at the end; `trainer.resume=auto` continues from the latest complete checkpo
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from dataclasses import replace
 from typing import Optional
@@ -222,7 +221,3 @@ def rollout_records(batch: Batch) -> list[dict]:
              "score": float(batch["scores"][i]), "advantage": float(adv[i]),
              "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i])}
             for i in range(len(batch))]
-
-
-def finite(metrics: dict) -> bool:
-    return all(math.isfinite(v) for v in metrics.values())
