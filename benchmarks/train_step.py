@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from megarl.data.batch import Batch
+from megarl.models.flops import PEAK_BF16_TFLOPS, train_flops
+from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.testing.models import save_tiny_hf_model
-
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 
 def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> Batch:
@@ -43,15 +43,8 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
 
 
 def model_flops(hf_path, batch: Batch) -> float:
-    """6·N·T for the weights (forward + backward) plus 6·L·h·Σ s² / 2·2 for causal attention."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(hf_path)
-    h, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
-    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
-    params = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
-    lengths = batch["attention_mask"].sum(-1).double()
-    return float(6 * params * lengths.sum() + 6 * layers * h * (lengths ** 2).sum())
+    """Forward + backward FLOPs of the update (`megarl.models.flops.train_flops`: 6·N·T + causal attention)."""
+    return train_flops(describe_hf_config(load_hf_config(hf_path)), batch["attention_mask"].sum(-1))
 
 
 def bench_rank(hf_path, batch: Batch, args):

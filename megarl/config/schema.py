@@ -243,6 +243,8 @@ class ResourceConfig:
     """Ray placement-group strategy of a pool's node-sized bundles (PACK, SPREAD, STRICT_SPREAD)."""
     ray_address: Optional[str] = None
     """Ray cluster to join ('auto' under the sbatch script); None: start a local one."""
+    gpu_peak_tflops: float = 989.0
+    """Dense bf16 peak TFLOP/s of one GPU, the denominator of MFU (H100/H200 SXM: 989; A100: 312)."""
 
 
 # ----------------------------------------------------------------------------- root

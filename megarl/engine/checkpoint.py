@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.models.convert import MARKER, read_metadata, save_strategy
-from megarl.models.hf_io import CheckpointError, HFShardWriter, copy_hf_side_files, write_index
+from megarl.models.convert import MARKER, read_metadata, save_strategy, write_hf_shards
+from megarl.models.hf_io import CheckpointError, copy_hf_side_files
 from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
 
 FORMAT_VERSION = 1
@@ -210,17 +210,7 @@ def export_hf(engine, path, *, overwrite: bool = True) -> dict:
     staging = shared_staging_dir(target)
     groups = engine.groups
     writes = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
-    prefix = f"model-pp{groups.pp_rank:03d}" if engine.config.layout.pp > 1 else "model"
-    writer = HFShardWriter(staging, prefix=prefix)
-    for name, tensor in engine.hf_weights():
-        if writes:
-            writer.add(name, tensor)
-    writer.flush()
-    maps = [None] * dist.get_world_size()
-    dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
-    summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
-    if dist.get_rank() == 0:
-        write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
-        copy_hf_side_files(Path(engine.hf_path), staging)
+    summary = write_hf_shards(staging, engine.hf_weights(), writes=writes, pp_rank=groups.pp_rank,
+                              pp_size=engine.config.layout.pp, side_files_from=Path(engine.hf_path))
     publish_collective(staging, target, MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step})
     return summary

@@ -187,8 +187,29 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         raise
 
 
-def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
+def write_hf_shards(staging: Path, weights, *, writes: bool, pp_rank: int, pp_size: int, side_files_from,
+                    progress=None) -> dict:
+    """Collective: every rank drains its stage's (HF name, tensor) stream; the `writes` rank of each
+    stage stores them as safetensors shards; rank 0 writes the index and the config/tokenizer files."""
     import torch.distributed as dist
+
+    writer = HFShardWriter(staging, prefix=f"model-pp{pp_rank:03d}" if pp_size > 1 else "model")
+    for name, tensor in weights:
+        if writes:
+            writer.add(name, tensor)
+        if progress:
+            progress()
+    writer.flush()
+    maps = [None] * dist.get_world_size()
+    dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
+    summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps), "format_version": FORMAT_VERSION}
+    if dist.get_rank() == 0:
+        write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
+        copy_hf_side_files(side_files_from, staging)
+    return summary
+
+
+def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
     from megatron.core import dist_checkpointing, parallel_state as ps
 
     staging = None
@@ -197,20 +218,10 @@ def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
         load_model_state(chunks, dist_checkpointing.load(sharded_model_state(chunks), plan.src))
         staging = shared_staging_dir(Path(plan.dst))
         writes = tp_rank == 0 and ps.get_data_parallel_rank() == 0
-        writer = HFShardWriter(staging, prefix=f"model-pp{pp_rank:03d}" if plan.layout.pp > 1 else "model")
+        weights = bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group())
         with _progress(bridge.count_hf_tensors(chunks, pp_rank), "mcore→hf") as bar:
-            for name, tensor in bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group()):
-                if writes:
-                    writer.add(name, tensor)
-                bar.update()
-        writer.flush()
-        maps = [None] * dist.get_world_size()
-        dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
-        summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps)}
-        if dist.get_rank() == 0:
-            write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
-            copy_hf_side_files(Path(plan.src) / "hf", staging)
-            summary["format_version"] = FORMAT_VERSION
+            summary = write_hf_shards(staging, weights, writes=writes, pp_rank=pp_rank, pp_size=plan.layout.pp,
+                                      side_files_from=Path(plan.src) / "hf", progress=bar.update)
         publish_collective(staging, Path(plan.dst), MARKER,
                            {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src})
         return summary

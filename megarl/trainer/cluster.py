@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import ray
 
 from megarl.controller import WorkerGroup, plan_placement, pools_from_config, role_mesh
 from megarl.data.batch import Batch

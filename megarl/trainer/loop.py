@@ -23,7 +23,7 @@ from megarl.algorithms.mismatch import truncated_is_weights
 from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
 from megarl.trainer import batching, state
-from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, timing_metrics
+from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, mfu_meter, timing_metrics
 
 
 class RLTrainer:
@@ -32,6 +32,7 @@ class RLTrainer:
     def __init__(self, cfg, derived, cluster, data):
         self.cfg, self.derived, self.cluster, self.data = cfg, derived, cluster, data
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_reward)
+        self.mfu = mfu_meter(cfg, derived)
         ro = cfg.rollout
         self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                        max_tokens=ro.max_response_tokens, n=ro.samples_per_prompt,
@@ -87,7 +88,7 @@ class RLTrainer:
                 stats["rollout/policy_version"] = float(max(v or 0 for v in self.cluster.sync_weights()))
         if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
             self.log.dump_rollouts(step, rollout_records(batch))
-        return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch)}
+        return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
 
     # ------------------------------------------------------------------ phases
 

@@ -79,8 +79,33 @@ def batch_metrics(batch: Batch) -> dict:
     return out
 
 
-def timing_metrics(timer: PhaseTimer, batch: Batch) -> dict:
-    """Seconds per phase, throughput, and the share of the step spent outside generation and workers."""
+class MFUMeter:
+    """Model FLOPs utilisation of the actor update: its FLOPs (6·N·T + attention, per epoch) over the
+    actor GPUs' peak for the phase's seconds. Only built for GPU runs (`mfu_meter`)."""
+
+    def __init__(self, dims, gpus: int, peak_tflops: float, epochs: int):
+        self.dims, self.gpus, self.peak_tflops, self.epochs = dims, gpus, peak_tflops, epochs
+
+    def __call__(self, batch: Batch, seconds: float) -> float:
+        from megarl.models.flops import train_flops
+
+        flops = self.epochs * train_flops(self.dims, batch["attention_mask"].sum(-1))
+        return flops / (seconds * self.gpus * self.peak_tflops * 1e12) if seconds > 0 else 0.0
+
+
+def mfu_meter(cfg, derived) -> Optional[MFUMeter]:
+    """An `MFUMeter` for GPU runs; None on CPU (MFU against a CPU peak means nothing)."""
+    if cfg.resources.accelerator != "gpu":
+        return None
+    from megarl.models.hf_config import describe_hf_config, load_hf_config
+
+    dims = describe_hf_config(load_hf_config(cfg.model.hf_path))
+    return MFUMeter(dims, derived.role_world["actor"], cfg.resources.gpu_peak_tflops, cfg.actor.epochs_per_step)
+
+
+def timing_metrics(timer: PhaseTimer, batch: Batch, mfu: Optional[MFUMeter] = None) -> dict:
+    """Seconds per phase, throughput, the share of the step spent outside generation and workers,
+    and (GPU runs) the actor update's MFU."""
     step = timer.total
     out = {f"time/{phase}": seconds for phase, seconds in timer.seconds.items()}
     out["time/step"] = step
@@ -91,6 +116,8 @@ def timing_metrics(timer: PhaseTimer, batch: Batch) -> dict:
     generated = float(batch["response_mask"].sum())
     gen_time = timer.seconds.get("generate", 0.0)
     out["perf/generated_tokens_per_s"] = generated / gen_time if gen_time > 0 else 0.0
+    if mfu is not None and "actor_update" in timer.seconds:
+        out["perf/mfu_actor_update"] = mfu(batch, timer.seconds["actor_update"])
     return out
 
 

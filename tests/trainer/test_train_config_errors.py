@@ -5,7 +5,7 @@ import time
 import pytest
 
 from megarl import cli
-from conftest import REPO, overrides
+from train_helpers import REPO, overrides
 
 BAD = [
     (["actor.layout.tp=1", "trainer.prompts_per_step=3", "rollout.samples_per_prompt=1"], "trainer.prompts_per_step"),

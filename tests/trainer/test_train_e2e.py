@@ -19,7 +19,7 @@ import torch
 
 from megarl.rollout import vllm_available
 from megarl.trainer.metrics import read_metrics
-from conftest import HERE, REPO, overrides, run_train, train_command
+from train_helpers import HERE, REPO, overrides, run_train, train_command
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
