@@ -377,8 +377,7 @@ def _check_models(cfg: RunConfig, derived: Derived) -> None:
                 raise ConfigError(f"{role} model {path}: {err}") from None
         dims = dims_by_path[path]
         try:
-            getattr(cfg, role).layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads,
-                                                  num_kv_heads=dims.num_kv_heads)
+            getattr(cfg, role).layout.check_dims(dims)
         except LayoutError as err:
             raise ConfigError(f"{role}.layout does not fit {path}: {err}") from None
     _check_rollout_model(cfg, dims_by_path[cfg.model.hf_path])

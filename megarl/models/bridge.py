@@ -29,8 +29,7 @@ class ModelBridge:
                  value_head: bool = False, vocab_divisible_by: int = 128):
         self.hf_config = hf_config
         self.dims = describe_hf_config(hf_config)
-        layout.check_model(num_layers=self.dims.num_layers, num_heads=self.dims.num_heads,
-                           num_kv_heads=self.dims.num_kv_heads)
+        layout.check_dims(self.dims)
         self.layout = layout
         self.dtype = dtype
         self.value_head = value_head

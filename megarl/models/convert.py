@@ -62,7 +62,7 @@ def plan_hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout, *, dtype: Opti
     """Validate inputs before any weight is read: config, layout, weight files, target directory."""
     hf_config = load_hf_config(hf_path)
     dims = describe_hf_config(hf_config)
-    layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+    layout.check_dims(dims)
     HFCheckpointReader(hf_path)  # raises on missing / corrupt index or weight files
     check_target(mcore_path, overwrite)
     return ConversionPlan(str(hf_path), str(mcore_path), layout, _dtype_name(hf_config, dtype), overwrite)
@@ -88,7 +88,7 @@ def plan_mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayou
     meta = read_metadata(mcore_path)
     hf_config = load_hf_config(Path(mcore_path) / "hf")
     dims = describe_hf_config(hf_config)
-    layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+    layout.check_dims(dims)
     check_target(hf_path, overwrite)
     return ConversionPlan(str(mcore_path), str(hf_path), layout, meta["dtype"], overwrite)
 

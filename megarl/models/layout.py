@@ -49,6 +49,10 @@ class ParallelLayout:
             )
         return world_size // self.model_parallel_size
 
+    def check_dims(self, dims) -> None:
+        """`check_model` for a `ModelDims` (anything with num_layers, num_heads, num_kv_heads)."""
+        self.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, num_experts: int = 0) -> None:
         """Raise `LayoutError` naming the sizes that do not divide, before any weight is read."""
         if num_heads % self.tp:

@@ -90,7 +90,7 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
 
     all_dims = [describe_hf_config(load_hf_config(p)) for p in hf_paths]
     for dims in all_dims:  # fail here, not in the spawned ranks
-        layout.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+        layout.check_dims(dims)
     vocab = min(dims.vocab_size for dims in all_dims)
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     per_rank = run_distributed(parity_rank, layout.tp * layout.pp, [str(p) for p in hf_paths], layout, tokens)
