@@ -102,18 +102,18 @@ def apply_cpu_patches() -> bool:
     with _lock:
         if not _applied:
             check_mcore_version()
-            from megatron_patches import (
-                cuda_runtime,
-                current_device,
-                rng_tracker,
-                tensor_type_names,
-            )
-
-            for patch in (rng_tracker, current_device, cuda_runtime, tensor_type_names):
+            for patch in _patch_modules():
                 patch.apply()
             _applied = True
     _push_device_mode()
     return True
+
+
+def _patch_modules() -> tuple:
+    """The patch modules in the order they are applied (removed in reverse)."""
+    from megatron_patches import cuda_runtime, current_device, rng_tracker, tensor_type_names
+
+    return (rng_tracker, current_device, cuda_runtime, tensor_type_names)
 
 
 def remove_cpu_patches() -> None:
@@ -122,14 +122,7 @@ def remove_cpu_patches() -> None:
     global _applied
     with _lock:
         if _applied:
-            from megatron_patches import (
-                cuda_runtime,
-                current_device,
-                rng_tracker,
-                tensor_type_names,
-            )
-
-            for patch in (tensor_type_names, cuda_runtime, current_device, rng_tracker):
+            for patch in reversed(_patch_modules()):
                 patch.remove()
             _applied = False
     mode = getattr(_pushed_modes, "mode", None)
