@@ -109,7 +109,8 @@ def derive(cfg: RunConfig) -> Derived:
     for role in (r for r in roles if r in TRAINABLE_ROLES):
         per_update[role], updates[role] = _updates(cfg, role, role_dp[role], role_world[role])
     return Derived(roles=roles, pool_gpus=pools, role_world=role_world, role_dp=role_dp, samples_per_step=samples,
-                   samples_per_update=per_update, updates_per_step=updates, rollout_engines=_engines(cfg, pools))
+                   samples_per_update=per_update, updates_per_step=updates,
+                   rollout_engines=_engines(cfg, pools, roles))
 
 
 def _pool_of(pools: dict[str, int], name: str, where: str) -> int:
@@ -158,7 +159,7 @@ def _updates(cfg: RunConfig, role: str, dp: int, world: int) -> tuple[int, int]:
     return samples, role_cfg.epochs_per_step * (prompts // per_update)
 
 
-def _engines(cfg: RunConfig, pools: dict[str, int]) -> int:
+def _engines(cfg: RunConfig, pools: dict[str, int], roles: tuple[str, ...]) -> int:
     ro = cfg.rollout
     if ro.mode not in ROLLOUT_MODES:
         raise ConfigError(f"rollout.mode={ro.mode!r}; pick one of {', '.join(ROLLOUT_MODES)}")
@@ -169,12 +170,14 @@ def _engines(cfg: RunConfig, pools: dict[str, int]) -> int:
     if ro.mode == "server" and ro.pool == cfg.actor.pool:
         raise ConfigError(f"rollout.mode=server needs its own pool, not the actor's ({ro.pool!r}); add one to"
                           " resources.pools and set rollout.pool, or use rollout.mode=colocated")
-    if ro.tp < 1 or gpus % ro.tp:
-        raise ConfigError(f"rollout.tp={ro.tp} does not divide the {gpus} GPUs of pool {ro.pool!r}; pick a"
-                          f" divisor of {gpus}")
-    if ro.tp > cfg.resources.gpus_per_node:
-        raise ConfigError(f"rollout.tp={ro.tp} > resources.gpus_per_node={cfg.resources.gpus_per_node}: one"
-                          " engine must fit on a node")
+    shared = [r for r in roles if ro.mode == "server" and getattr(cfg, r).pool == ro.pool]
+    if shared:
+        raise ConfigError(f"rollout.mode=server: pool {ro.pool!r} holds the engine servers, but {shared[0]}.pool"
+                          f" is {ro.pool!r} too; put the model roles on another pool")
+    per_node = min(gpus, cfg.resources.gpus_per_node)
+    if ro.tp < 1 or per_node % ro.tp:
+        raise ConfigError(f"rollout.tp={ro.tp} does not divide the {per_node} GPUs per node of pool {ro.pool!r};"
+                          f" pick a divisor of {per_node} (an engine stays inside a node)")
     return gpus // ro.tp
 
 
@@ -224,6 +227,11 @@ def _check_ranges(cfg: RunConfig) -> None:
         (cfg.algorithm.dapo.overlong_buffer_len < ro.max_response_tokens,
          f"algorithm.dapo.overlong_buffer_len={cfg.algorithm.dapo.overlong_buffer_len} must be smaller than"
          f" rollout.max_response_tokens={ro.max_response_tokens} (the penalty zone ends at the limit)"),
+        (not cfg.algorithm.dapo.filter_groups or ro.samples_per_prompt >= 2,
+         "algorithm.dapo.filter_groups=true keeps groups whose rewards differ, but rollout.samples_per_prompt=1"
+         " makes groups of one; raise rollout.samples_per_prompt or turn filter_groups off"),
+        (cfg.algorithm.dapo.max_generations >= 1,
+         f"algorithm.dapo.max_generations={cfg.algorithm.dapo.max_generations} must be >= 1"),
         (bool(cfg.model.hf_path), "model.hf_path is empty: set it to the initial policy's HF checkpoint directory"),
         (bool(cfg.data.files), "data.files is empty: list the training prompt files (parquet/jsonl/json)"),
     ]

@@ -73,12 +73,22 @@ class EngineServer:
 
 
 def launch_engine_servers(model_path: str, num_servers: int, *, backend: str = "auto", num_cpus: float = 1,
-                          num_gpus: float = 0, **engine_kwargs) -> list:
-    """Start `num_servers` engine actors, each with its own CPUs/GPUs (Ray must be initialised)."""
+                          num_gpus: float = 0, actor_options: Optional[Sequence[dict]] = None,
+                          env: Optional[dict] = None, **engine_kwargs) -> list:
+    """Start `num_servers` engine actors, each with its own CPUs/GPUs (Ray must be initialised).
+
+    actor_options: per server, Ray options that replace num_cpus/num_gpus (e.g. a placement-group
+    bundle from `ResourcePool.actor_options`); env: environment variables of the server processes.
+    """
     import ray
 
-    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(EngineServer)
-    return [actor.remote(str(model_path), backend, **engine_kwargs) for _ in range(num_servers)]
+    actor = ray.remote(EngineServer)
+    options = list(actor_options or [{"num_cpus": num_cpus, "num_gpus": num_gpus}] * num_servers)
+    if len(options) != num_servers:
+        raise ValueError(f"{len(options)} actor_options for {num_servers} servers")
+    runtime_env = {"env_vars": dict(env)} if env else None
+    return [actor.options(runtime_env=runtime_env, **opts).remote(str(model_path), backend, **engine_kwargs)
+            for opts in options]
 
 
 def connect_servers(servers: list, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 300.0) -> list:

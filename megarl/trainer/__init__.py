@@ -4,8 +4,11 @@
                  → ref log-probs → values → advantages → critic update → actor update → weight sync)
     run.py       train(cfg, derived): data checks before Ray, workers, the loop; RunData
     cluster.py   Cluster: worker groups per pool, roles composed per process, calls → batches
+    engines.py   the rollout engines seen from the driver: colocated, or servers on their own pool
     worker.py    what runs in each worker process: ProcessSetup, Actor/Reference/Critic/RewardModel
-                 workers (own engines, own process groups) and the colocated RolloutWorker
+                 workers (own engines, own process groups)
+    rollout_roles.py  the rollout side of a worker: colocated engine + sharding manager, or the
+                 sender that broadcasts the actor's weights to engine servers
     batching.py  prompts + completions → the training batch; responses → text; outcome rewards
     metrics.py   phase timers, step metrics, console/progress bar, JSONL, TensorBoard, plots
     state.py     checkpoint directories, driver state, latest complete checkpoint, pruning

@@ -1,21 +1,22 @@
-"""The driver's handle on the workers: pools, worker groups, roles, and calls that return batches.
+"""The driver's handle on the workers: pools, worker groups, roles, engines, and calls that return batches.
 
-Owns: `Cluster`. It creates one `WorkerGroup` per resource pool the roles use, composes the role
-classes of `megarl.trainer.worker` in them (a `ProcessSetup` first, then the active roles in build
-order, then the colocated rollout role beside the actor), and turns the loop's calls into Ray
-calls: `forward(role, method, batch)` splits rows over the role's DP ranks (token-balanced) and
-merges the results back in row order; `update(role, batch)` returns the optimizer step's metrics;
-`generate(requests)` deals prompts to the engines; `sync_weights()` runs the sharding manager on
-every actor rank. Ray is imported here (the driver).
+Owns: `Cluster`. It creates one `WorkerGroup` per resource pool that holds model roles, composes
+the role classes of `megarl.trainer.worker` in them (a `ProcessSetup` first, then the active roles
+in build order), and adds the rollout engines (`megarl.trainer.engines`): colocated in the actor's
+workers, or as engine servers on their own pool. It turns the loop's calls into Ray calls:
+`forward(role, method, batch)` splits rows over the role's DP ranks (token-balanced) and merges
+the results back in row order; `update(role, batch)` returns the optimizer step's metrics;
+`generate(requests)` deals prompts to the engines; `sync_weights()` pushes the actor's weights into
+every engine. Ray is imported here (the driver).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-
 from megarl.controller import WorkerGroup, plan_placement, pools_from_config, role_mesh
 from megarl.data.batch import Batch
-from megarl.trainer.worker import ROLE_WORKERS, ProcessSetup, RolloutWorker, engine_ranks
+from megarl.trainer.engines import ColocatedEngines, EngineServers
+from megarl.trainer.worker import ROLE_WORKERS, ProcessSetup
 
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -38,21 +39,26 @@ class Cluster:
     def __init__(self, cfg, derived):
         self.cfg, self.derived = cfg, derived
         pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
-        threads = max(1, int(cfg.resources.cpus_per_worker))
-        env = worker_env(threads)
+        plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}
+        env = worker_env(max(1, int(cfg.resources.cpus_per_worker)))
         self.groups: dict[str, WorkerGroup] = {}
-        for name in sorted(plan, key=lambda n: n != cfg.actor.pool):
-            group = WorkerGroup(pools[name], name=name, env=env)
-            group.add_role("process", ProcessSetup, cfg.resources.accelerator, cfg.trainer.seed, threads)
-            self.groups[name] = group
+        for name in sorted((n for n in plan if plan[n]), key=lambda n: n != cfg.actor.pool):
+            self.groups[name] = self._worker_group(pools[name], env)
         self.meshes = {role: role_mesh(cfg, role, derived) for role in derived.roles}
-        for name, roles in plan.items():  # build order: actor, ref, critic, reward model, rollout
+        for name, roles in plan.items():  # build order: actor, ref, critic, reward model
             for i, role in enumerate(roles):
-                if role == "rollout":
-                    self.groups[name].add_role("rollout", RolloutWorker, cfg)
-                else:
-                    self.groups[name].add_role(role, ROLE_WORKERS[role], cfg, first=i == 0)
-        self.engine_ranks = engine_ranks(self.actor_group.world_size, cfg.rollout.tp)
+                self.groups[name].add_role(role, ROLE_WORKERS[role], cfg, first=i == 0)
+        if cfg.rollout.mode == "server":
+            self.engines = EngineServers(cfg, pools[cfg.rollout.pool], self.actor_group, env)
+        else:
+            self.engines = ColocatedEngines(cfg, self.actor_group)
+
+    def _worker_group(self, pool, env: dict) -> WorkerGroup:
+        res = self.cfg.resources
+        group = WorkerGroup(pool, name=pool.name, env=env)
+        group.add_role("process", ProcessSetup, res.accelerator, self.cfg.trainer.seed,
+                       max(1, int(res.cpus_per_worker)))
+        return group
 
     @property
     def actor_group(self) -> WorkerGroup:
@@ -79,28 +85,22 @@ class Cluster:
 
     def call(self, role: str, method: str, *args) -> list:
         """`role.method(*args)` on every rank of the role's group; the per-rank results."""
-        group = self.actor_group if role == "rollout" else self._group(role)
+        group = self._group(role)
         return group.get(group.execute_all(f"{role}.{method}", *args))
 
     def generate(self, requests: list) -> list:
-        """[(prompt ids, SamplingParams)] dealt to the engines in contiguous chunks; completions in order."""
-        engines = len(self.engine_ranks)
-        per_rank: list[tuple] = [([],) for _ in range(self.actor_group.world_size)]
-        bounds = [len(requests) * i // engines for i in range(engines + 1)]
-        for i, rank in enumerate(self.engine_ranks):
-            per_rank[rank] = (requests[bounds[i]:bounds[i + 1]],)
-        results = self.actor_group.get(self.actor_group.execute_per_rank("rollout.generate", per_rank))
-        return [c for rank in self.engine_ranks for c in results[rank]]
+        """[(prompt ids, SamplingParams)] → per request its completions, in request order."""
+        return self.engines.generate(requests)
 
     def sync_weights(self) -> list[Optional[int]]:
-        """The actor's weights into every engine; the engines' new versions (None off engine ranks)."""
-        return self.call("rollout", "sync_weights")
+        """The actor's weights into every engine; the engines' new policy versions."""
+        return self.engines.sync_weights()
 
     def engine_versions(self) -> list[int]:
-        versions = self.call("rollout", "version")
-        return [versions[r] for r in self.engine_ranks]
+        return self.engines.versions()
 
     def shutdown(self) -> None:
+        self.engines.shutdown()
         for group in self.groups.values():
             group.shutdown()
         self.groups = {}

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from megarl.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage_estimator, make_kl_controller
-from megarl.algorithms.dapo import mask_truncated, overlong_penalty
+from megarl.algorithms.dapo import dynamic_sample, mask_truncated, overlong_penalty
 from megarl.algorithms.mismatch import truncated_is_weights
 from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
@@ -67,10 +67,7 @@ class RLTrainer:
     def train_step(self, step: int) -> dict:
         """One RL step; returns its metrics."""
         timer = PhaseTimer()
-        with timer("generate"):
-            batch = self.generate(self.data.loader.next_batch().to_batch(), step)
-        with timer("reward"):
-            batch = self.reward(batch)
+        batch, stats = self.rollout(step, timer)  # generate → reward (repeated under DAPO dynamic sampling)
         with timer("old_log_probs"):
             batch = batch.union(self.cluster.forward("actor", "compute_log_probs", batch))
         with timer("ref_log_probs"):
@@ -78,7 +75,8 @@ class RLTrainer:
         with timer("values"):
             batch = self.with_role_outputs(batch, "critic", "compute_values")
         with timer("advantages"):
-            batch, stats = self.advantages(batch)
+            batch, adv_stats = self.advantages(batch)
+            stats.update(adv_stats)
         with timer("critic_update"):
             stats.update(self.update("critic", batch))
         if step > self.cfg.algorithm.critic_warmup_steps:
@@ -92,12 +90,32 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
 
-    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None) -> Batch:
-        """Completions of every prompt from the rollout engines, as the training batch."""
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict]:
+        """The step's scored samples: one round of prompts, or with DAPO dynamic sampling
+        (`algorithm.dapo.filter_groups`) rounds until `prompts_per_step` groups have reward variance."""
+        rounds = []
+
+        def one_round() -> Batch:
+            rounds.append(len(rounds))
+            with timer("generate"):
+                batch = self.generate(self.data.loader.next_batch().to_batch(), step, round_=rounds[-1])
+            with timer("reward"):
+                return self.reward(batch)
+
+        dapo = self.cfg.algorithm.dapo
+        if not dapo.filter_groups:
+            return one_round(), {}
+        batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
+                                  score_key="scores")
+        return batch, {"rollout/generation_rounds": float(n)}
+
+    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0) -> Batch:
+        """Completions of every prompt from the rollout engines, as the training batch (group ids
+        `step.round:row` stay unique across the rounds of a step)."""
         params = params or self.sampling
-        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007) % (2**31)
+        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
         completions = self.cluster.generate(batching.requests(prompts, params, seed))
-        return batching.rollout_batch(prompts, completions, self.data.pad_token_id, group_prefix=f"{step}:")
+        return batching.rollout_batch(prompts, completions, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
 
     def reward(self, batch: Batch) -> Batch:
         """Rule rewards (+ a reward model, + DAPO overlong shaping) → token_level_scores."""

@@ -51,18 +51,6 @@ def load_run_data(cfg) -> RunData:
     return RunData(tokenizer, loader, validation, RewardRunner(cfg.reward))
 
 
-def check_supported(cfg) -> None:
-    """What the trainer does not drive yet, refused before any worker starts."""
-    from megarl.config import ConfigError
-
-    if cfg.rollout.mode != "colocated":
-        raise ConfigError("rollout.mode=server: the trainer drives colocated engines only so far (engine servers"
-                          " exist in megarl.rollout.server); use rollout.mode=colocated")
-    if cfg.algorithm.dapo.filter_groups:
-        raise ConfigError("algorithm.dapo.filter_groups=true (dynamic sampling) is not wired into the trainer"
-                          " yet; set it to false")
-
-
 def train(cfg, derived) -> list[dict]:
     """Run the configured training; returns the metrics of the steps run by this call."""
     from megarl.config import save_resolved
@@ -70,7 +58,6 @@ def train(cfg, derived) -> list[dict]:
     from megarl.trainer.cluster import Cluster
     from megarl.trainer.loop import RLTrainer
 
-    check_supported(cfg)
     data = load_run_data(cfg)
     save_resolved(cfg, cfg.trainer.run_dir)
     start = time.perf_counter()

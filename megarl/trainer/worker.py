@@ -8,11 +8,11 @@ process groups (`build_role_groups`), so roles in one process keep separate layo
     ReferenceWorker    frozen policy log-probs (KL terms)
     CriticWorker       values, value updates, checkpoints
     RewardModelWorker  model scores at the last response token
-    RolloutWorker      the colocated rollout engine (vLLM, or the embedded fallback) and the
-                       sharding manager that pushes the actor's weights into it
 
-Roles are built in the same order in every process (group creation is collective). The rollout
-role finds the actor built in its own process through `local_role("actor")`. Every method runs
+The rollout roles (a colocated engine, or the sender to engine servers) are in
+`megarl.trainer.rollout_roles`. Roles are built in the same order in every process (group creation
+is collective); a rollout role finds the actor of its own process through `local_role("actor")`.
+Every method runs
 under `cpu_device_mode()` (a no-op on GPU): Ray may call methods on another thread than the one
 that built the role, and megatron's CPU device mode is thread-local.
 
@@ -213,103 +213,3 @@ class RewardModelWorker(_EngineRole):
 
 ROLE_WORKERS = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker,
                 "reward_model": RewardModelWorker}
-
-
-# ----------------------------------------------------------------------------- rollout
-
-
-def rollout_backend(name: str) -> str:
-    """'auto' → vllm where it imports, else embedded."""
-    if name != "auto":
-        return name
-    from megarl.rollout import vllm_available
-
-    return "vllm" if vllm_available() else "embedded"
-
-
-def engine_ranks(world_size: int, rollout_tp: int) -> list[int]:
-    """Ranks that host a colocated engine: the first rank of every `rollout_tp` ranks."""
-    return list(range(0, world_size, rollout_tp))
-
-
-class RolloutWorker:
-    """The colocated rollout engine of this process and the sharding manager feeding it."""
-
-    def __init__(self, cfg):
-        import torch.distributed as dist
-
-        ro = cfg.rollout
-        self.rank = dist.get_rank()
-        self.engine = _make_engine(cfg) if self.rank in engine_ranks(dist.get_world_size(), ro.tp) else None
-        self.manager = _sharding_manager(local_role("actor").engine, ro.tp)
-        _LOCAL["rollout"] = self
-
-    def generate(self, requests: list) -> list:
-        """[(prompt ids, SamplingParams)] → per request, its list of `Completion`s."""
-        if not requests:
-            return []
-        import asyncio
-
-        async def run():
-            return await asyncio.gather(*(self.engine.generate(ids, params) for ids, params in requests))
-
-        return list(asyncio.run(run()))
-
-    @on_device
-    def sync_weights(self) -> Optional[int]:
-        """Push the actor's current weights into the engines (every rank of the actor takes part).
-
-        The engine's policy version becomes the actor's optimizer step count, which a resumed run
-        restores from its checkpoint (the engine's own update counter would restart at 0).
-        """
-        with _resident(local_role("actor")):
-            self.manager.sync(self.engine)
-        if self.engine is None:
-            return None
-        self.engine.version = local_role("actor").engine.step
-        return self.engine.version
-
-    def version(self) -> Optional[int]:
-        return None if self.engine is None else self.engine.version
-
-    def sleep(self) -> None:
-        if self.engine is not None:
-            self.engine.sleep()
-
-    def wake_up(self) -> None:
-        if self.engine is not None:
-            self.engine.wake_up()
-
-
-def _make_engine(cfg):
-    from megarl.config.validate import resolve_max_model_len
-    from megarl.engine.engine import resolve_dtype
-    from megarl.rollout import create_engine
-
-    ro = cfg.rollout
-    backend = rollout_backend(ro.engine)
-    dtype = resolve_dtype(cfg.actor.dtype if ro.dtype == "auto" else ro.dtype)
-    if backend == "embedded":
-        device = "cuda" if cfg.resources.accelerator == "gpu" else "cpu"
-        return create_engine(cfg.model.hf_path, backend=backend, dtype=dtype, device=device)
-    # With rollout TP 1 every rank builds its engine at the same time, so vLLM's in-process start-up
-    # (which creates groups on the training world) is collective, and weights stream in without the
-    # IPC copy (0.023 s vs 0.27 s per quickstart sync). Otherwise vLLM's core runs in a child process.
-    return create_engine(cfg.model.hf_path, backend=backend, dtype=str(dtype).removeprefix("torch."),
-                         max_model_len=resolve_max_model_len(cfg), seed=cfg.trainer.seed,
-                         tensor_parallel_size=ro.tp, gpu_memory_utilization=ro.gpu_memory_utilization,
-                         enforce_eager=ro.enforce_eager, in_process=ro.tp == 1)
-
-
-def _sharding_manager(actor_engine, rollout_tp: int):
-    """A manager per actor replica (TP×PP ranks); it feeds the engine ranks inside that replica."""
-    import torch.distributed as dist
-
-    from megarl.rollout.sharding.manager import ShardingManager, TrainGroups
-
-    groups, layout = actor_engine.groups, actor_engine.config.layout
-    train_groups = TrainGroups(groups.pg.tp, groups.pg.mp, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp)
-    replica = dist.get_process_group_ranks(groups.pg.mp)
-    hosts = set(engine_ranks(dist.get_world_size(), rollout_tp))
-    return ShardingManager(actor_engine.bridge, actor_engine.chunks, train_groups,
-                           rollout_ranks=[r for r in replica if r in hosts])

@@ -90,6 +90,12 @@ def test_derived_sizes_of_the_70b_config():
     (["rollout.tp=8", "resources.gpus_per_node=8"], r"rollout\.tp=8 does not fit the model's num_attention_heads=4"),
     (["resources.pools={main: 3}"], r"resources\.pools asks for 3 GPUs .* = 1 \* 2 = 2"),
     (["rollout.mode=server"], r"rollout\.mode=server needs its own pool"),
+    (["resources.gpus_per_node=4", "resources.pools={main: 2, rollout: 2}", "rollout.mode=server",
+      "rollout.pool=rollout", "critic.enabled=true", "critic.pool=rollout"],
+     r"pool 'rollout' holds the engine servers, but critic\.pool is 'rollout' too"),
+    (["resources.gpus_per_node=4", "resources.pools={main: 1, rollout: 3}", "rollout.mode=server",
+      "rollout.pool=rollout", "rollout.tp=2", "actor.layout.tp=1"],
+     r"rollout\.tp=2 does not divide the 3 GPUs per node of pool 'rollout'"),
     (["critic.enabled=true", "critic.pool=spare"], r"critic\.pool='spare' is not a pool; pools: \['main'\]"),
     # algorithm names and combinations
     (["algorithm.advantage.estimator=grpp"], r"algorithm\.advantage\.estimator: unknown advantage estimator 'grpp';"
@@ -108,6 +114,8 @@ def test_derived_sizes_of_the_70b_config():
     (["trainer.loggers=[console, mlflow]"], r"trainer\.loggers=.*valid loggers are console, jsonl, tensorboard, wandb"),
     (["rollout.engine=sglang"], r"rollout\.engine='sglang'; pick one of auto, vllm, embedded"),
     (["algorithm.dapo.overlong_buffer_len=16"], r"overlong_buffer_len=16 must be smaller than rollout\.max_response_tokens=16"),
+    (["algorithm.dapo.filter_groups=true", "rollout.samples_per_prompt=1", "actor.layout.tp=2"],
+     r"filter_groups=true .* rollout\.samples_per_prompt=1 makes groups of one"),
     (["trainer.checkpoint_every_steps=-1"], r"trainer\.checkpoint_every_steps=-1 must be >= 0 \(0: off\)"),
 ])
 def test_bad_config_fails_naming_the_field(local, overrides, message):

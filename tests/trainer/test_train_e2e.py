@@ -125,3 +125,28 @@ def test_ppo_gae_with_critic_tp1_dp2_beside_tp2_actor_and_critic_warmup(tiny_tas
     assert all(torch.isfinite(torch.tensor(r["actor/loss"])) for r in rows[1:])
     assert (tmp_path / "ppo/checkpoints/step_000003/critic").is_dir()
     assert list((tmp_path / "ppo" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path):
+    """rollout.mode=server: one vLLM server on pool 'rollout', a TP1×DP2 actor on 'main' (only the
+    replica of rank 0 gathers; rank 0 broadcasts over a gloo weight group). DAPO dynamic sampling
+    with a reward that leaves some groups without variance: every trained group has it."""
+    args = overrides(tiny_task, tmp_path / "server", "trainer.total_steps=2", "trainer.checkpoint_every_steps=0",
+                     "trainer.export_hf_at_end=false", "validation.before_train=false", "validation.every_steps=0",
+                     "resources.gpus_per_node=3", "resources.pools={main: 2, rollout: 1}", "rollout.mode=server",
+                     "rollout.pool=rollout", "actor.layout.tp=1", "algorithm.dapo.filter_groups=true",
+                     f"reward.reward_fn={HERE / 'hash_reward.py'}:reward", "trainer.dump_rollouts_every_steps=1")
+    code, out, seconds = run_train("grpo_quickstart.yaml", args)
+    assert code == 0, out[-4000:]
+    rows = step_rows(tmp_path / "server")
+    print(f"server-mode run: {seconds:.0f} s, generation rounds {[r['rollout/generation_rounds'] for r in rows]}")
+    assert [r["rollout/policy_version"] for r in rows] == [1, 2]
+    # the server samples with exactly the weights the actor recomputes log-probs with
+    assert all(r["rollout/mismatch_abs_max"] < 1e-4 for r in rows), [r["rollout/mismatch_abs_max"] for r in rows]
+    assert all(torch.isfinite(torch.tensor(r["actor/loss"])) for r in rows)
+    for step in (1, 2):
+        dump = [json.loads(line) for line in (tmp_path / f"server/rollouts/step_00000{step}.jsonl").read_text().splitlines()]
+        groups: dict = {}
+        for record in dump:
+            groups.setdefault(record["uid"], set()).add(record["score"])
+        assert len(dump) == 16 and len(groups) == 4 and all(len(s) > 1 for s in groups.values()), groups

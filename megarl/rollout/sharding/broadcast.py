@@ -86,6 +86,8 @@ class BroadcastSender:
         self.group = group
         self._layout = None
         self._layout_sent = None
+        self.version: Optional[int] = None
+        """Policy version the engines take with the next update (None: each engine counts its own)."""
 
     def check_update(self, specs: Sequence[HFSpec], layout=None) -> None:
         """Announce the update; raises the first engine's WeightUpdateError (on every member)."""
@@ -93,7 +95,7 @@ class BroadcastSender:
 
         layout = layout if layout is not None else self._layout
         header = {"specs": [(s.name, tuple(s.shape), str(s.dtype).replace("torch.", "")) for s in specs],
-                  "layout": layout if layout != self._layout_sent else None}
+                  "layout": layout if layout != self._layout_sent else None, "version": self.version}
         self.group.broadcast_object(header)
         self._layout_sent = layout
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
@@ -153,7 +155,7 @@ class BroadcastReceiver:
         failures = [m for m in self.group.all_gather_messages(verdict) if m]
         if failures:
             raise WeightUpdateError(failures[0])
-        version = self.engine.update_weights(self._stream(), specs=specs)
+        version = self.engine.update_weights(self._stream(), specs=specs, version=header.get("version"))
         self.group.all_gather_messages(str(version))
         return version
 
