@@ -115,3 +115,91 @@ def simulated_cp2_rank(loss_config):
     init_global_state(groups)
     batch = ragged_batch()
     return _cp1_reference(batch, loss_config), _cp2_update(batch, loss_config, groups), groups.cp_rank
+
+
+# ----------------------------------------------------------------------------- a CPU stand-in for TE's CP attention
+
+
+class _GatherSeqFromCP(torch.autograd.Function):
+    """[s/cp, b, ...] K or V of every CP rank → the full [S, b, ...] in sequence order.
+
+    Unlike the heads' gather, each rank's attention (its own queries) uses the gathered K/V
+    differently, so the backward sums the gradient over CP ranks before keeping this rank's rows.
+    """
+
+    @staticmethod
+    def forward(ctx, local, group):
+        import torch.distributed as dist
+
+        from megarl.engine.context import unpermute_from_cp
+
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(group.size())]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return unpermute_from_cp(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        from megarl.engine.context import split_for_cp
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return split_for_cp(grad, ctx.group.size(), ctx.group.rank(), dim=0), None
+
+
+class GatherKVAttention(torch.nn.Module):
+    """Test-only core attention for cp > 1 in pure torch (TE's "all_gather" CP scheme, unfused):
+    K and V are all-gathered over the CP group; this rank's queries sit at the zigzag positions
+    `cp_columns(S, cp, rank)` and attend causally to every key at or before them."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        tp = pg_collection.tp.size()
+        self.cp_group, self.heads = pg_collection.cp, config.num_attention_heads // tp
+        self.kv_heads = config.num_query_groups // tp
+        self.scale = softmax_scale or config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        from megarl.engine.context import cp_columns
+
+        key, value = (_GatherSeqFromCP.apply(x, self.cp_group) for x in (key, value))
+        key, value = (x.repeat_interleave(self.heads // self.kv_heads, dim=2) for x in (key, value))
+        q_pos = cp_columns(key.shape[0], self.cp_group.size(), self.cp_group.rank())
+        hidden = torch.arange(key.shape[0]).unsqueeze(0) > q_pos.unsqueeze(1)  # [s/cp, S]: future keys
+        scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * self.scale
+        probs = scores.masked_fill(hidden.to(scores.device), float("-inf")).softmax(-1).to(query.dtype)
+        context = torch.einsum("bhst,tbhd->sbhd", probs, value)
+        return context.reshape(*context.shape[:2], -1)
+
+
+def install_cpu_cp_attention():
+    """Let the engine run cp > 1 on CPU: the local spec with `GatherKVAttention`, the TE check off."""
+    import copy
+
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from megarl.engine import engine
+    from megarl.models import spec
+
+    def cp_layer_spec(dims):
+        layer = copy.deepcopy(specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm"))
+        layer.submodules.self_attention.submodules.core_attention = GatherKVAttention
+        return layer
+
+    spec.layer_spec = cp_layer_spec
+    engine.check_context_parallel = lambda layout: None
+
+
+def cp_engine_rank(scenarios, hf_path):
+    """`engine_cases.updates_rank` with the CPU CP attention; then cp=2 log-probs of the padded batch."""
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    install_cpu_cp_attention()
+    updates = C.updates_rank(scenarios)
+    actor = Actor(C.build(hf_path, ParallelLayout(cp=2), micro_batch_tokens=30))
+    return updates, actor.compute_log_probs(C.padded_batch())

@@ -64,3 +64,33 @@ def test_simulated_cp2_update_loss_grads_and_logprobs_equal_cp1(policy_loss):
     assert sorted(r[2] for r in per_rank) == [0, 1]
     for result in per_rank:
         _assert_matches_cp1(result)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from megarl.testing.models import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("cp_engine") / "llama"
+    save_tiny_hf_model("llama", path, seed=0)
+    return str(path)
+
+
+def test_engine_cp2_with_a_cpu_attention_stand_in_equals_cp1_updates_and_transformers_logprobs(llama):
+    """The real engine at CP=2 (GPTModel, RoPE slicing, schedules, DDP + distributed optimizer over dp_cp)
+    with only TE's attention replaced by a pure-torch K/V all-gather (`cp_cases.GatherKVAttention`)."""
+    from megarl.models.layout import ParallelLayout as L
+
+    from test_engine_layouts import _assert_same, _merge
+
+    full, critic = {"loss": C.full_actor_loss()}, {"critic": True}
+    scenarios = [(llama, L(), 1000), (llama, L(cp=2), 1000), (llama, L(cp=2), 14), (llama, L(), 14, full),
+                 (llama, L(cp=2), 14, full), (llama, L(), 1000, critic), (llama, L(cp=2), 1000, critic)]
+    per_rank = run_distributed(cp_cases.cp_engine_rank, 2, scenarios, llama, timeout=300)
+    updates = [r[0] for r in per_rank]
+    assert _merge(updates, 2)[2] >= 3  # several micro-batches
+    for cp2, cp1 in [(1, 0), (2, 0), (4, 3), (6, 5)]:  # cp=1 here is DP=2, equal to one process (test_engine_layouts)
+        _assert_same(_merge(updates, cp2), _merge(updates, cp1))
+    batch = C.padded_batch()
+    mask, expected = batch["response_mask"].bool(), C.hf_log_probs(llama, batch)
+    for _, log_probs in per_rank:
+        torch.testing.assert_close(log_probs["log_probs"][mask], expected[mask], rtol=0, atol=1e-5)
