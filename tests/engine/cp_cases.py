@@ -194,12 +194,33 @@ def install_cpu_cp_attention():
     engine.check_context_parallel = lambda layout: None
 
 
-def cp_engine_rank(scenarios, hf_path):
-    """`engine_cases.updates_rank` with the CPU CP attention; then cp=2 log-probs of the padded batch."""
+def cp_engine_rank(scenarios, hf_path, root):
+    """With the CPU CP attention: `engine_cases.updates_rank`, cp=2 log-probs, a cp=2 → cp=1 checkpoint."""
     from megarl.engine.roles import Actor
     from megarl.models.layout import ParallelLayout
 
     install_cpu_cp_attention()
     updates = C.updates_rank(scenarios)
     actor = Actor(C.build(hf_path, ParallelLayout(cp=2), micro_batch_tokens=30))
-    return updates, actor.compute_log_probs(C.padded_batch())
+    return updates, actor.compute_log_probs(C.padded_batch()), cp_checkpoint(hf_path, root)
+
+
+def cp_checkpoint(hf_path, root):
+    """Train a step at CP=2 and save; resume at CP=1 (DP=2) and at CP=2: (weights loaded equal the saved
+    ones, and after one more step each: losses, grad norms, max weight difference (optimizer state))."""
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    batch = C.padded_batch()
+    actor = Actor(C.build(hf_path, ParallelLayout(cp=2), optim=C.adam(), micro_batch_tokens=30))
+    actor.update(batch)
+    actor.engine.save_checkpoint(f"{root}/cp2")
+    saved = {n: t.clone() for n, t in actor.engine.hf_weights()}
+    cp2 = actor.update(batch)
+    other = Actor(C.build(hf_path, ParallelLayout(), optim=C.adam(), micro_batch_tokens=30))
+    other.engine.load_checkpoint(f"{root}/cp2")
+    loaded = all(torch.equal(t, saved[n]) for n, t in other.engine.hf_weights())
+    cp1 = other.update(C.local_rows(other.engine, batch))
+    after = dict(actor.engine.hf_weights())
+    diff = max(float((t - after[n]).abs().max()) for n, t in other.engine.hf_weights())
+    return loaded, (cp2["loss"], cp1["loss"]), (cp2["grad_norm"], cp1["grad_norm"]), diff

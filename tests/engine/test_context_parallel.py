@@ -75,9 +75,10 @@ def llama(tmp_path_factory):
     return str(path)
 
 
-def test_engine_cp2_with_a_cpu_attention_stand_in_equals_cp1_updates_and_transformers_logprobs(llama):
-    """The real engine at CP=2 (GPTModel, RoPE slicing, schedules, DDP + distributed optimizer over dp_cp)
-    with only TE's attention replaced by a pure-torch K/V all-gather (`cp_cases.GatherKVAttention`)."""
+def test_engine_cp2_with_a_cpu_attention_stand_in_equals_cp1_updates_logprobs_and_checkpoints(llama, tmp_path):
+    """The real engine at CP=2 (GPTModel, RoPE slicing, schedules, DDP + distributed optimizer over dp_cp,
+    dist checkpointing) with only TE's attention replaced by a pure-torch K/V all-gather
+    (`cp_cases.GatherKVAttention`)."""
     from megarl.models.layout import ParallelLayout as L
 
     from test_engine_layouts import _assert_same, _merge
@@ -85,12 +86,15 @@ def test_engine_cp2_with_a_cpu_attention_stand_in_equals_cp1_updates_and_transfo
     full, critic = {"loss": C.full_actor_loss()}, {"critic": True}
     scenarios = [(llama, L(), 1000), (llama, L(cp=2), 1000), (llama, L(cp=2), 14), (llama, L(), 14, full),
                  (llama, L(cp=2), 14, full), (llama, L(), 1000, critic), (llama, L(cp=2), 1000, critic)]
-    per_rank = run_distributed(cp_cases.cp_engine_rank, 2, scenarios, llama, timeout=300)
+    per_rank = run_distributed(cp_cases.cp_engine_rank, 2, scenarios, llama, str(tmp_path), timeout=300)
     updates = [r[0] for r in per_rank]
     assert _merge(updates, 2)[2] >= 3  # several micro-batches
     for cp2, cp1 in [(1, 0), (2, 0), (4, 3), (6, 5)]:  # cp=1 here is DP=2, equal to one process (test_engine_layouts)
         _assert_same(_merge(updates, cp2), _merge(updates, cp1))
     batch = C.padded_batch()
     mask, expected = batch["response_mask"].bool(), C.hf_log_probs(llama, batch)
-    for _, log_probs in per_rank:
+    for _, log_probs, (loaded, losses, norms, diff) in per_rank:
         torch.testing.assert_close(log_probs["log_probs"][mask], expected[mask], rtol=0, atol=1e-5)
+        assert loaded  # a CP=2 checkpoint loads at CP=1 (DP=2) ...
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5) and norms[0] == pytest.approx(norms[1], rel=1e-4)
+        assert diff < 1e-6  # ... with its optimizer state: the next step moves both alike
