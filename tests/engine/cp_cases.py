@@ -224,3 +224,26 @@ def cp_checkpoint(hf_path, root):
     after = dict(actor.engine.hf_weights())
     diff = max(float((t - after[n]).abs().max()) for n, t in other.engine.hf_weights())
     return loaded, (cp2["loss"], cp1["loss"]), (cp2["grad_norm"], cp1["grad_norm"]), diff
+
+
+def gpu_batch():
+    """Longer ragged rows for the GPU test (TE's CP kernels get a few tokens per chunk at least)."""
+    return C.padded_batch(rows=8, prompt=48, response=40, seed=1)
+
+
+def gpu_update_rank(hf_path, layout, micro_batch_tokens, loss=None):
+    """bf16 (TE's CP attention has no fp32 kernel): log-probs, then one linear-Adam actor update; all on CPU."""
+    from megarl.engine.roles import Actor, ActorLossConfig
+
+    from megarl.engine.config import OptimConfig
+
+    # Linear Adam (engine_cases.linear_adam) with lr = 100·ε: each weight moves by ≈ −100·g, far above the
+    # bf16 rounding of the weight itself, so bf16 deltas still resolve every gradient.
+    engine = C.build(hf_path, layout, first=True, optim=OptimConfig(lr=1e6, adam_eps=1e4, clip_grad=1e9),
+                     micro_batch_tokens=micro_batch_tokens, dtype="bfloat16")
+    actor, batch = Actor(engine, loss or ActorLossConfig()), gpu_batch()
+    log_probs = actor.compute_log_probs(batch)["log_probs"].float().cpu()
+    before = {name: tensor.float().cpu() for name, tensor in engine.hf_weights()}
+    metrics = actor.update(batch)
+    deltas = {name: tensor.float().cpu() - before[name] for name, tensor in engine.hf_weights()}
+    return metrics["loss"], metrics["grad_norm"], metrics["micro_batches"], deltas, log_probs
