@@ -298,6 +298,20 @@ def _check_roles(cfg: RunConfig, derived: Derived) -> None:
     if cfg.algorithm.critic_warmup_steps and "critic" not in derived.roles:
         raise ConfigError("algorithm.critic_warmup_steps > 0 needs a critic; set critic.enabled=true or the"
                           " warm-up to 0")
+    _check_context_parallel(cfg, derived)
+
+
+def _check_context_parallel(cfg: RunConfig, derived: Derived) -> None:
+    """cp > 1 runs only with Transformer Engine attention (GPU): refuse it on CPU runs here; on GPU runs
+    each engine checks that TE imports on its worker (`engine.check_context_parallel`)."""
+    if cfg.resources.accelerator == "gpu":
+        return
+    for role in derived.roles:
+        cp = getattr(cfg, role).layout.cp
+        if cp > 1:
+            raise ConfigError(f"{role}.layout.cp={cp} needs Transformer Engine attention on GPUs, but"
+                              f" resources.accelerator={cfg.resources.accelerator!r}; set {role}.layout.cp=1"
+                              " (or run on GPUs with transformer_engine installed)")
 
 
 # ----------------------------------------------------------------------------- local files

@@ -3,6 +3,7 @@
     parallel.py    RoleGroups / build_role_groups: a ProcessGroupCollection per role and layout
     logprobs.py    vocab-parallel log-prob + entropy (autograd), chunked over tokens
     micro.py       MicroBatch: unpadded rows packed by a token budget; DP sharding
+    context.py     context parallelism: load-balanced sequence split per CP rank, gather back to rows
     engine.py      MegatronEngine: bridge-built chunks, DDP, distributed optimizer, schedules
     roles.py       Actor, Reference, Critic, RewardModel (engine + head + loss)
     offload.py     parameters / grads / optimizer state to host memory and back
@@ -23,9 +24,16 @@ On CPU (gloo, megatron_patches) everything above runs and is tested: TP, PP, vir
 the distributed optimizer, activation recompute, colocated roles with different layouts, offload,
 checkpoint resharding. GPU-only, wired but not testable here: bf16 (EngineConfig.dtype "auto"),
 Transformer Engine specs with sequence parallelism (micro-batch widths are padded to a multiple of
-TP for it), pinned-memory offload. Not supported yet: context parallelism (needs THD packed
-sequences with TE attention; `validate_engine_config` refuses cp > 1) and expert parallelism
-(the bridge has no MoE families yet; dense models refuse ep > 1).
+TP for it), pinned-memory offload.
+
+Context parallelism (layout.cp > 1) needs Transformer Engine's attention (p2p ring, causal, BSHD
+rows padded to a multiple of 2·cp, megatron's load-balanced split): without TE (any CPU machine)
+`validate_engine_config` refuses it, naming layout.cp and the fix. Everything around the attention
+is tested on CPU: the split and gather, the loss scaling over dp_cp, and the whole engine at CP=2
+(updates, log-probs, a CP=2 → CP=1 checkpoint) with a test-only pure-torch attention standing in
+for TE's (tests/engine/test_context_parallel.py). The TE run itself is covered by a GPU-only test
+(tests/engine/test_context_parallel_gpu.py, 2 GPUs) that has not run in this project yet.
+Not supported yet: expert parallelism (the bridge has no MoE families yet; dense models refuse ep > 1).
 
 Imports megatron-core lazily (inside functions); must not import vLLM or Ray.
 """

@@ -37,6 +37,7 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _model_state(engine) -> dict:
+    # CP ranks are weight replicas, like DP ranks: replica ids come from the dp_cp group (one writer per shard).
     metadata = {"dp_cp_group": engine.groups.pg.dp_cp}
     chunks = engine.chunks
     if len(chunks) == 1:

@@ -10,8 +10,12 @@ interleaved) over micro-batches packed by a token budget. It knows no algorithm:
 
 where `loss` is normalised by the step's *global* denominators (`micro_batch.batch.meta`
 carries `global_tokens` / `global_seqs` of `response_mask` over all DP ranks), so the gradient is
-the same for any DP size, PP size or micro-batch split: the engine scales each micro-batch loss by
-DP size × micro-batches to undo megatron's averaging.
+the same for any DP size, PP size, CP size or micro-batch split: the engine scales each micro-batch
+loss by DP size × micro-batches to undo megatron's averaging (derived in `_micro_loss`).
+
+Context parallelism (cp > 1, Transformer Engine only): each micro-batch is padded to a multiple of
+2·cp columns and every CP rank feeds the model its load-balanced share (`context.py`); heads gather
+per-token outputs back to full rows over the CP group, so outputs and losses equal cp=1.
 
 Batches are this DP rank's rows (`micro.shard_for_dp` splits a full batch). Must not import vLLM
 or Ray; roles (`roles.py`) compose an engine with heads and losses.
@@ -26,9 +30,11 @@ import torch.distributed as dist
 
 from megarl.data.batch import Batch
 from megarl.engine.config import EngineConfig
+from megarl.engine.context import CPShard
 from megarl.engine.micro import MicroBatch, make_micro_batches
 from megarl.engine.parallel import RoleGroups, check_layout
 from megarl.models.bridge import ModelBridge
+from megarl.models.layout import LayoutError
 
 Head = Callable[[torch.Tensor, MicroBatch], dict]
 LossFn = Callable[[dict, MicroBatch], tuple]
@@ -136,9 +142,15 @@ class MegatronEngine:
             raise RuntimeError("the engine's weights are offloaded; call engine.onload() before using it")
         layout = self.config.layout
         minimum = layout.pp if layout.vpp > 1 else 1
-        multiple = layout.tp if self.tf_config.sequence_parallel else 1
-        return make_micro_batches(batch, self.config.micro_batch_tokens, min_micro_batches=minimum,
-                                  fixed_shape=layout.vpp > 1, width_multiple=multiple)
+        # Sequence parallelism splits each CP rank's S/cp columns over TP; CP cuts S into 2*cp chunks.
+        multiple = (layout.tp if self.tf_config.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+        micro_batches = make_micro_batches(batch, self.config.micro_batch_tokens, min_micro_batches=minimum,
+                                           fixed_shape=layout.vpp > 1, width_multiple=multiple)
+        if layout.cp > 1:
+            shard = CPShard(self.groups.pg.cp, layout.cp, self.groups.cp_rank)
+            for mb in micro_batches:
+                mb.cp = shard
+        return micro_batches
 
     def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -149,7 +161,7 @@ class MegatronEngine:
         extra = {"p2p_communicator": P2PCommunicator(self.groups.pg.pp, self.tf_config)} if layout.pp > 1 else {}
         return fbf(forward_step_func=step_fn, data_iterator=[iter(micro_batches) for _ in self.model],
                    model=self.model, num_microbatches=len(micro_batches),
-                   seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+                   seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # full width; megatron divides by cp
                    micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches), forward_only=forward_only,
                    pg_collection=self.groups.pg, **extra)
 
@@ -158,7 +170,9 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens.to(device), mb.position_ids.to(device), _causal_mask(mb.tokens.shape[1], device))
+            tokens, positions = mb.model_inputs()  # this CP rank's columns (all at cp=1)
+            mask = _causal_mask(mb.tokens.shape[1], device) if mb.cp is None else None  # CP attention masks itself
+            output = model(tokens.to(device), positions.to(device), mask)
             return output, functools.partial(_micro_loss, head, loss_fn, mb, scale, store)
 
         return forward_step
@@ -251,15 +265,24 @@ class MegatronEngine:
 def validate_engine_config(hf_path, config: EngineConfig, world_size: int) -> ModelBridge:
     """Every check that needs no process group or weight: run it before launching a role.
 
-    Raises LayoutError when the layout does not divide the world or the model's heads / layers,
-    NotImplementedError for context parallelism, and the bridge's errors for bad HF configs.
+    Raises LayoutError when the layout does not divide the world or the model's heads / layers, or
+    asks for context parallelism without Transformer Engine, and the bridge's errors for bad HF configs.
     """
     check_layout(config.layout, world_size)
-    if config.layout.cp > 1:
-        raise NotImplementedError(
-            f"layout.cp={config.layout.cp}: context parallelism needs packed (THD) sequences with Transformer"
-            " Engine attention (GPU); the engine does not split sequences over CP ranks yet — use cp=1")
+    check_context_parallel(config.layout)
     return ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype))
+
+
+def check_context_parallel(layout) -> None:
+    """cp > 1 needs Transformer Engine's attention: megatron-core's local (pure torch) attention
+    asserts cp == 1, so without TE (any CPU machine) fail here, naming the fix, not deep in megatron."""
+    from megarl.models.spec import te_available
+
+    if layout.cp > 1 and not te_available():
+        raise LayoutError(
+            f"layout.cp={layout.cp}: context parallelism needs Transformer Engine's attention (a CUDA GPU with"
+            " transformer_engine installed, e.g. the NGC PyTorch image); TE is not importable here, and"
+            " megatron-core's local attention supports only cp=1. Install TE on a GPU machine or set layout.cp=1")
 
 
 def _seed_value_head(chunks, seed: int) -> None:
@@ -316,7 +339,18 @@ def _comm_device() -> torch.device:
 
 
 def _micro_loss(head, loss_fn, mb: MicroBatch, scale: float, store: list, output):
-    """Last-stage loss of one micro-batch; megatron divides by micro-batches (and × CP), we undo it."""
+    """Last-stage loss of one micro-batch, times `scale` = DP size × micro-batches (the same at any CP).
+
+    Why that scale gives the cp=1 gradient. Let L_d = Σ_mb loss_{d,mb} be DP rank d's share of the
+    step loss (global denominators, so Σ_d L_d is the step loss L). With the 2-tuple loss_func,
+    megatron's `forward_step_calc_loss` back-propagates loss · scale · cp / n_mb; DDP pre-scales every
+    gradient by 1 / |dp_cp group| = 1 / (dp · cp) and sums it over dp_cp. CP rank c of DP rank d
+    computes the whole micro-batch loss (heads gather outputs over CP) but its backward covers only
+    its own tokens, g_{d,c} = ∂_c loss_{d,mb}, with Σ_c g_{d,c} = ∇ loss_{d,mb} (TE's attention backward
+    returns K/V gradients to their owners). So the reduced gradient is
+        Σ_{d,c,mb} (dp · n_mb) · cp / n_mb / (dp · cp) · g_{d,c} = Σ_{d,mb} ∇ loss_{d,mb} = ∇L,
+    for every DP size, CP size and micro-batch split (at cp = 1 the same line with cp = 1).
+    """
     outputs = head(output, mb)
     if loss_fn is None:
         store.append((mb, {k: v.detach().float().cpu() for k, v in outputs.items()}))

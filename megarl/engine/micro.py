@@ -7,17 +7,23 @@ row left to start at column 0 (positions 0, 1, ...) and pads on the right only: 
 mask, right padding never influences a real token, so outputs equal `transformers` on the unpadded
 sequence. `MicroBatch.to_response` maps a per-position model output back to response columns.
 
-Imports only torch, numpy and megarl.data (no megatron, vLLM or Ray).
+With context parallelism the engine attaches a `CPShard`: `model_inputs` / `local_targets` give
+this CP rank's zigzag columns (`context.split_for_cp`) and `gather_cp` puts a per-position output
+of those columns back into the full [b, S] frame, so heads and `to_response` see the cp=1 frame.
+
+Imports only torch, numpy, megarl.data and megarl.engine.context (no megatron, vLLM or Ray).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from megarl.data.balancing import balance_rows, pack_micro_batches
 from megarl.data.batch import Batch
+from megarl.engine.context import CPShard, gather_from_cp, split_for_cp
 
 
 @dataclass
@@ -40,10 +46,27 @@ class MicroBatch:
     """L: columns of the original input."""
     batch: Batch
     """The original rows (response_mask, advantages, old_log_probs, ... for the loss function)."""
+    cp: Optional[CPShard] = None
+    """This rank's context-parallel shard (None: the rank holds whole rows)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.cp is None else split_for_cp(x, self.cp.size, self.cp.rank)
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, position_ids) this rank feeds the model: [b, S], or its CP columns [b, S/cp]."""
+        return self._split(self.tokens), self._split(self.position_ids)
+
+    def local_targets(self) -> torch.Tensor:
+        """Targets of the positions this rank's model output covers ([b, S] or [b, S/cp])."""
+        return self._split(self.targets)
+
+    def gather_cp(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-position output of this rank's columns back in the full [b, S, ...] frame (all CP ranks)."""
+        return gather_from_cp(local, self.cp)
 
     def to_response(self, frame: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """Response columns [b, T, ...] of a per-position tensor [b, S, ...].

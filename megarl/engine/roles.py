@@ -11,6 +11,11 @@ the loss functions built from `megarl.algorithms` (`actor_loss`, `critic_loss`),
 Batch columns read: input_ids, attention_mask [B, L]; response_mask [B, T] (the response is the
 last T columns); the actor's update also old_log_probs, advantages (+ ref_log_probs with a KL
 loss); the critic's values (old), returns. Must not import vLLM or Ray.
+
+Context parallelism: a head gets this CP rank's columns of the model output, computes per-token
+values on them and gathers them into the full [b, S] frame (`MicroBatch.gather_cp`) before
+picking response columns, so every CP rank returns the cp=1 rows and computes the same loss; the
+gather's backward keeps only this rank's columns (see `megarl.engine.context`).
 """
 from __future__ import annotations
 
@@ -42,24 +47,24 @@ class LogProbHead:
     chunk_tokens: int = 1024
 
     def __call__(self, output: torch.Tensor, mb: MicroBatch) -> dict:
-        targets = mb.targets.to(output.device)
+        targets = mb.local_targets().to(output.device)  # this CP rank's positions (all of them at cp=1)
         log_probs, entropy = vocab_parallel_logprobs(output, targets, tp_group=self.tp_group, vocab_size=self.vocab_size,
                                                      temperature=self.temperature, chunk_tokens=self.chunk_tokens)
-        return {"log_probs": mb.to_response(log_probs), "entropy": mb.to_response(entropy)}
+        return {"log_probs": mb.to_response(mb.gather_cp(log_probs)), "entropy": mb.to_response(mb.gather_cp(entropy))}
 
 
 class ValueHead:
     """Scalar head output [b, S, 1] → V(s_t) for response columns [b, T] (the state before token t)."""
 
     def __call__(self, output: torch.Tensor, mb: MicroBatch) -> dict:
-        return {"values": mb.to_response(output[..., 0].float())}
+        return {"values": mb.to_response(mb.gather_cp(output[..., 0].float()))}
 
 
 class ScoreHead:
     """Scalar head output [b, S, 1] → the score at each row's last response token [b]."""
 
     def __call__(self, output: torch.Tensor, mb: MicroBatch) -> dict:
-        at_token = mb.to_response(output[..., 0].float(), shift=0)
+        at_token = mb.to_response(mb.gather_cp(output[..., 0].float()), shift=0)
         mask = mb.batch["response_mask"].to(at_token.device)
         last = (mask.long() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(-1)
         return {"scores": at_token.gather(1, last.unsqueeze(1)).squeeze(1)}

@@ -52,6 +52,9 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
+        # TE's ring exchange of K/V chunks (overlaps with attention). "a2a+p2p" would need megatron's
+        # global hierarchical CP groups, which per-role process groups do not create.
+        cp_comm_type="p2p" if layout.cp > 1 else None,
         expert_model_parallel_size=layout.ep,
         sequence_parallel=use_te and layout.tp > 1,
         params_dtype=dtype,

@@ -64,6 +64,11 @@ def test_quickstart_validates_with_local_files_fast(local, name):
         assert derived.roles == ("actor", "ref", "critic") and derived.role_dp["critic"] == 2
 
 
+def test_context_parallel_layout_validates_on_gpu_runs(local):
+    derived = validate(_cfg(local, "resources.accelerator=gpu", "actor.layout.tp=1", "actor.layout.cp=2"))
+    assert derived.role_dp["actor"] == 1  # 2 GPUs / (tp*pp*cp = 1*1*2)
+
+
 def test_derived_sizes_of_the_70b_config():
     derived = derive(load_config(CONFIGS / "llama3-70b_ppo.yaml"))
     assert derived.role_world["actor"] == 64 and derived.role_dp["actor"] == 2  # TP8 x PP4
@@ -87,6 +92,8 @@ def test_derived_sizes_of_the_70b_config():
     (["resources.gpus_per_node=4", "actor.layout.tp=4"], r"num_key_value_heads=2 is not divisible by tp=4"),
     (["resources.gpus_per_node=4", "actor.layout.tp=1", "actor.layout.pp=4"], r"num_hidden_layers=2 is not divisible by pp\*vpp"),
     (["actor.layout.tp=4"], r"actor\.layout\.tp=4 > resources\.gpus_per_node=2"),
+    (["actor.layout.tp=1", "actor.layout.cp=2"], r"actor\.layout\.cp=2 needs Transformer Engine attention on GPUs, but"
+                                                 r" resources\.accelerator='cpu'; set actor\.layout\.cp=1"),
     (["rollout.tp=8", "resources.gpus_per_node=8"], r"rollout\.tp=8 does not fit the model's num_attention_heads=4"),
     (["resources.pools={main: 3}"], r"resources\.pools asks for 3 GPUs .* = 1 \* 2 = 2"),
     (["rollout.mode=server"], r"rollout\.mode=server needs its own pool"),

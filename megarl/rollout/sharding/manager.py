@@ -29,6 +29,8 @@ class TrainGroups:
     The transport moves bytes point to point on the default group (global ranks); `mp_group`
     carries the one metadata exchange and the agreement before an update. `tp_group` is kept
     for callers and for collective transports; the point-to-point transport does not use it.
+    Context-parallel ranks hold the same weights as their CP peers (like DP ranks): every (DP, CP)
+    index is a replica of its own, and its TP × PP group is all a sync needs.
     """
 
     tp_group: object
