@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     handler = handlers[args.command]
     try:
         return handler(args)
+    except KeyboardInterrupt:
+        return 130  # the conventional status of a run stopped by SIGINT
     except _USER_ERRORS as err:
         print(f"megarl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ bad run fails in seconds naming the field, and nothing already in the run direct
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -66,6 +67,19 @@ def train(cfg, derived) -> list[dict]:
     print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         return RLTrainer(cfg, derived, cluster, data).fit()
+    except KeyboardInterrupt:
+        _report_interrupt(cfg.trainer.run_dir)
+        raise
     finally:
         cluster.shutdown()
         data.rewards.close()
+
+
+def _report_interrupt(run_dir: str) -> None:
+    """Ctrl-C / SIGINT: say what is kept before the workers are stopped (a second Ctrl-C exits at once)."""
+    from megarl.trainer.state import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    where = f"the latest complete checkpoint, {latest}" if latest else "the start (no checkpoint was completed)"
+    print(f"\n[megarl] interrupted: stopping the workers. Rerun the same command to continue from {where}.",
+          file=sys.stderr, flush=True)
