@@ -8,6 +8,8 @@ loop uses, through `Cluster`:
     generate(requests)   [(prompt ids, SamplingParams)] dealt to the engines in contiguous chunks
     sync_weights()       the actor's weights into every engine; the engines' policy versions
     versions()           the engines' current policy versions
+    sleep() / wake_up()  colocated engines give their GPU memory (weights, KV cache) to training
+                         between generation and the next weight sync; servers keep theirs
 
 Ray is imported here (the driver).
 """
@@ -46,6 +48,12 @@ class ColocatedEngines:
     def versions(self) -> list[int]:
         versions = self.group.get(self.group.execute_all("rollout.version"))
         return [versions[r] for r in self.ranks]
+
+    def sleep(self) -> None:
+        self.group.get(self.group.execute_all("rollout.sleep"))
+
+    def wake_up(self) -> None:
+        self.group.get(self.group.execute_all("rollout.wake_up"))
 
     def shutdown(self) -> None:
         """The engines go with the actor's workers."""
@@ -93,6 +101,12 @@ class EngineServers:
         import ray
 
         return ray.get([server.version.remote() for server in self.servers])
+
+    def sleep(self) -> None:
+        """Servers own their GPUs: nothing to give back."""
+
+    def wake_up(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         import ray

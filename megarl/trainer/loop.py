@@ -79,11 +79,12 @@ class RLTrainer:
             stats.update(adv_stats)
         with timer("critic_update"):
             stats.update(self.update("critic", batch))
-        if step > self.cfg.algorithm.critic_warmup_steps:
+        updated = step > self.cfg.algorithm.critic_warmup_steps
+        if updated:
             with timer("actor_update"):
                 stats.update(self.update("actor", batch))
-            with timer("weight_sync"):
-                stats["rollout/policy_version"] = float(max(v or 0 for v in self.cluster.sync_weights()))
+        with timer("weight_sync"):
+            stats.update(self.refresh_engines(updated))
         if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
             self.log.dump_rollouts(step, rollout_records(batch))
         return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
@@ -102,12 +103,24 @@ class RLTrainer:
             with timer("reward"):
                 return self.reward(batch)
 
-        dapo = self.cfg.algorithm.dapo
-        if not dapo.filter_groups:
-            return one_round(), {}
-        batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
-                                  score_key="scores")
-        return batch, {"rollout/generation_rounds": float(n)}
+        dapo, stats = self.cfg.algorithm.dapo, {}
+        if dapo.filter_groups:
+            batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
+                                      score_key="scores")
+            stats["rollout/generation_rounds"] = float(n)
+        else:
+            batch = one_round()
+        with timer("generate"):
+            self.cluster.engines.sleep()  # colocated engines free their GPU memory for the training phases
+        return batch, stats
+
+    def refresh_engines(self, updated: bool) -> dict:
+        """Wake the engines (colocated: weights and KV cache back on the GPU) and, after an actor
+        update, push the new weights into them."""
+        self.cluster.engines.wake_up()
+        if not updated:
+            return {}
+        return {"rollout/policy_version": float(max(v or 0 for v in self.cluster.sync_weights()))}
 
     def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0) -> Batch:
         """Completions of every prompt from the rollout engines, as the training batch (group ids
