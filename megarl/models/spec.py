@@ -3,6 +3,11 @@
 Owns: `transformer_config`, `layer_spec` (Transformer Engine spec when TE imports, the local
 pure-torch spec otherwise), `build_model_chunks` (one GPTModel per virtual pipeline stage, with
 the critic / reward-model scalar head), and RoPE variants megatron-core does not compute itself.
+
+MoE (`dims.moe`): every layer's MLP is megatron-core's `MoELayer` with `SequentialMLP` experts
+(`moe_grouped_gemm=False`, on the local and the TE spec alike, so parameter names are the same
+everywhere), dropless (no capacity factor, like HF), with the router normalisation HF uses (see
+`hf_config`). Token dispatcher: see `moe_token_dispatcher`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,37 @@ def te_available() -> bool:
     except Exception:  # TE raises OSError/ImportError/RuntimeError without CUDA libraries
         return False
     return torch.cuda.is_available()
+
+
+def moe_token_dispatcher() -> str:
+    """megatron-core's all-to-all dispatcher on GPU (its choice for EP > 1), the allgather one on CPU.
+
+    On CPU megatron-core 0.19.2's all-to-all dispatcher fails: it converts its split sizes to host
+    lists only for CUDA tensors (`moe_utils.maybe_move_tensor_to_cpu`), so CPU tensors reach
+    `all_to_all_single`, which rejects them. The allgather dispatcher gives the same tokens to the
+    same experts (dropless routing); only the communication pattern differs.
+    """
+    return "alltoall" if torch.cuda.is_available() else "allgather"
+
+
+def moe_config_kwargs(dims: ModelDims) -> dict:
+    """The `TransformerConfig` fields of a MoE model (empty for dense models)."""
+    moe = dims.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax → top-k (unnormalised) vs top-k → softmax
+        moe_token_dispatcher_type=moe_token_dispatcher(),
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coef,
+        moe_input_jitter_eps=moe.jitter_eps or None,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+    )
 
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32, **overrides):
@@ -68,6 +104,7 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    kwargs.update(moe_config_kwargs(dims))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -76,9 +113,10 @@ def layer_spec(dims: ModelDims):
     """Transformer Engine layer spec when TE imports, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    moe = dict(num_experts=dims.num_experts, moe_grouped_gemm=False) if dims.moe else {}
     if te_available():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm, **moe)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm", **moe)
 
 
 class ValueHead(torch.nn.Module):
