@@ -7,7 +7,7 @@ the critic / reward-model scalar head), and RoPE variants megatron-core does not
 MoE (`dims.moe`): every layer's MLP is megatron-core's `MoELayer` with `SequentialMLP` experts
 (`moe_grouped_gemm=False`, on the local and the TE spec alike, so parameter names are the same
 everywhere), dropless (no capacity factor, like HF), with the router normalisation HF uses (see
-`hf_config`). Token dispatcher: see `moe_token_dispatcher`.
+`hf_config`). Token dispatcher: see `MOE_TOKEN_DISPATCHER`.
 """
 from __future__ import annotations
 
@@ -32,15 +32,10 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def moe_token_dispatcher() -> str:
-    """megatron-core's all-to-all dispatcher on GPU (its choice for EP > 1), the allgather one on CPU.
-
-    On CPU megatron-core 0.19.2's all-to-all dispatcher fails: it converts its split sizes to host
-    lists only for CUDA tensors (`moe_utils.maybe_move_tensor_to_cpu`), so CPU tensors reach
-    `all_to_all_single`, which rejects them. The allgather dispatcher gives the same tokens to the
-    same experts (dropless routing); only the communication pattern differs.
-    """
-    return "alltoall" if torch.cuda.is_available() else "allgather"
+MOE_TOKEN_DISPATCHER = "alltoall"
+"""megatron-core's all-to-all token dispatcher: its choice for EP > 1, and the only one that allows
+`variable_seq_lengths` (the training engine's unpadded micro-batches). On CPU it needs
+`megatron_patches.moe_dispatch` (split sizes as host arrays for gloo's all_to_all_single)."""
 
 
 def moe_config_kwargs(dims: ModelDims) -> dict:
@@ -53,7 +48,7 @@ def moe_config_kwargs(dims: ModelDims) -> dict:
         moe_router_topk=moe.topk,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax → top-k (unnormalised) vs top-k → softmax
-        moe_token_dispatcher_type=moe_token_dispatcher(),
+        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef else "none",
         moe_aux_loss_coeff=moe.aux_loss_coef,

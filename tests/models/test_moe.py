@@ -42,7 +42,7 @@ def test_moe_transformer_config_matches_hf_routing():
     mixtral = moe_config_kwargs(describe_hf_config(tiny_hf_config("mixtral")))
     qwen2 = moe_config_kwargs(describe_hf_config(tiny_hf_config("qwen2_moe")))
     assert mixtral["moe_router_pre_softmax"] is False and qwen2["moe_router_pre_softmax"] is True
-    assert mixtral["moe_token_dispatcher_type"] == "allgather"  # CPU: see spec.moe_token_dispatcher
+    assert mixtral["moe_token_dispatcher_type"] == "alltoall"  # CPU: megatron_patches.moe_dispatch
     assert (qwen2["moe_shared_expert_intermediate_size"], qwen2["moe_shared_expert_gate"]) == (96, True)
     assert mixtral["moe_router_load_balancing_type"] == "none" and mixtral["moe_aux_loss_coeff"] == 0.0
 
