@@ -303,14 +303,16 @@ def _make_engine(cfg):
 
 
 def _sharding_manager(actor_engine, rollout_tp: int):
-    """A manager per actor replica (TP×PP ranks); it feeds the engine ranks inside that replica."""
+    """A manager per actor replica (TP×PP(×EP) ranks); it feeds the engine ranks inside that replica."""
     import torch.distributed as dist
 
     from megarl.rollout.sharding.manager import ShardingManager, TrainGroups
 
     groups, layout = actor_engine.groups, actor_engine.config.layout
-    train_groups = TrainGroups(groups.pg.tp, groups.pg.mp, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp)
-    replica = dist.get_process_group_ranks(groups.pg.mp)
+    replica_group = groups.pg.tp_ep_pp if layout.ep > 1 else groups.pg.mp  # MoE: a replica spans the EP ranks
+    train_groups = TrainGroups(groups.pg.tp, replica_group, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp,
+                               groups.ep_rank, layout.ep)
+    replica = dist.get_process_group_ranks(replica_group)
     hosts = set(engine_ranks(dist.get_world_size(), rollout_tp))
     return ShardingManager(actor_engine.bridge, actor_engine.chunks, train_groups,
                            rollout_ranks=[r for r in replica if r in hosts])
