@@ -48,7 +48,6 @@ def moe_config_kwargs(dims: ModelDims) -> dict:
         moe_router_topk=moe.topk,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax → top-k (unnormalised) vs top-k → softmax
-        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef else "none",
         moe_aux_loss_coeff=moe.aux_loss_coef,
@@ -98,6 +97,8 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # also for dense models: megatron-core refuses its default (allgather) with variable_seq_lengths
+        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
     )
     kwargs.update(moe_config_kwargs(dims))
     kwargs.update(overrides)

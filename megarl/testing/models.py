@@ -71,12 +71,16 @@ def _perturb_norms(model, seed: int) -> None:
     MoE routers (and the shared-expert gate) get large weights: routing is then decisive (no near
     ties that rounding could flip). Expert weights are scaled up 10x so the MoE output is not lost
     in the residual stream: a wrong expert, order or routing normalisation moves the logits a lot.
+    MoE biases are centred on 0: a value bias near 1 adds one common vector to every token, and
+    the router would then send all tokens to the same experts.
     """
     gen = torch.Generator().manual_seed(seed + 1)
+    moe = model.config.model_type in _MOE_EXTRA
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+                centre = 0.0 if moe and name.endswith(".bias") else 1.0
+                param.copy_(centre + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith("gate.weight"):
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
             elif ".experts." in name or ".shared_expert." in name:
