@@ -19,10 +19,12 @@ def _add_layout(parser: argparse.ArgumentParser, default_help: str) -> None:
     parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {default_help}")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per PP rank")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (MoE models; experts split over ep data-parallel ranks)")
 
 
 def _layout(args) -> ParallelLayout:
-    return ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    return ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
 
 
 def _convert_parser(sub) -> None:

@@ -1,6 +1,6 @@
 """CPU/gloo backend for megatron-core: explicit, version-checked patches of its CUDA-only calls.
 
-megatron-core assumes a GPU. On a machine without one (CI, laptops, the quickstart) five small
+megatron-core assumes a GPU. On a machine without one (CI, laptops, the quickstart) six small
 patches let it run on CPU with the gloo backend. Nothing happens at import time; call
 
     from megatron_patches import apply_cpu_patches, cpu_device_mode, patches_applied
@@ -17,6 +17,7 @@ the versions it was checked against and when it can go; README.md has the table)
   3. device_mode        device="cuda" / .cuda() / pin_memory=True → CPU (a TorchFunctionMode)
   4. cuda_runtime       streams, events, synchronize, memory stats, NVTX, device queries → no-ops
   5. tensor_type_names  tensor.type() reports "torch.cuda.FloatTensor" for CPU float tensors
+  6. moe_dispatch       MoE all-to-all dispatcher: CPU split sizes → host arrays for all_to_all_single
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def _push_device_mode() -> None:
 
 
 def apply_cpu_patches() -> bool:
-    """Apply the five CPU patches (once per process) and push the device mode on this thread.
+    """Apply the six CPU patches (once per process) and push the device mode on this thread.
 
     Returns False, doing nothing, when CUDA is available; True when the patches are in place.
     Raises RuntimeError naming the installed and the tested megatron-core versions if the
@@ -111,9 +112,9 @@ def apply_cpu_patches() -> bool:
 
 def _patch_modules() -> tuple:
     """The patch modules in the order they are applied (removed in reverse)."""
-    from megatron_patches import cuda_runtime, current_device, rng_tracker, tensor_type_names
+    from megatron_patches import cuda_runtime, current_device, moe_dispatch, rng_tracker, tensor_type_names
 
-    return (rng_tracker, current_device, cuda_runtime, tensor_type_names)
+    return (rng_tracker, current_device, cuda_runtime, tensor_type_names, moe_dispatch)
 
 
 def remove_cpu_patches() -> None:

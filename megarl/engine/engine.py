@@ -62,7 +62,8 @@ class MegatronEngine:
         if value_head:
             _seed_value_head(chunks, config.seed)
         if load_weights:
-            self.bridge.load_hf_weights(chunks, hf_path, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
+            self.bridge.load_hf_weights(chunks, hf_path, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                                        ep_rank=groups.ep_rank)
         self.optimizer = self.scheduler = None
         self.model = self._wrap_for_training(chunks) if config.optim else chunks
         self.step = 0
@@ -76,7 +77,6 @@ class MegatronEngine:
         # schedule: with PP=2 both neighbours are one peer and megatron's shape and tensor messages
         # cross (hangs on gloo), so VPP pads every micro-batch to one fixed shape instead.
         return self.bridge.transformer_config(variable_seq_lengths=self.config.layout.vpp == 1,
-                                              moe_token_dispatcher_type="alltoall",
                                               **(recompute if self.config.recompute else {}))
 
     def _wrap_for_training(self, chunks):
@@ -220,8 +220,9 @@ class MegatronEngine:
     # ------------------------------------------------------------------ weights
 
     def hf_weights(self):
-        """HF-named full tensors of this pipeline stage (TP shards gathered)."""
-        return self.bridge.iter_hf_weights(self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp)
+        """HF-named full tensors of this pipeline stage (TP shards and, for MoE, every EP rank's experts gathered)."""
+        return self.bridge.iter_hf_weights(self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp,
+                                           ep_group=self.groups.pg.ep)
 
     def save_checkpoint(self, path, *, overwrite: bool = True) -> dict:
         """Model, optimizer, scheduler, RNG and step, atomically (collective over the world)."""
@@ -265,12 +266,26 @@ class MegatronEngine:
 def validate_engine_config(hf_path, config: EngineConfig, world_size: int) -> ModelBridge:
     """Every check that needs no process group or weight: run it before launching a role.
 
-    Raises LayoutError when the layout does not divide the world or the model's heads / layers, or
-    asks for context parallelism without Transformer Engine, and the bridge's errors for bad HF configs.
+    Raises LayoutError when the layout does not divide the world or the model's heads / layers / experts,
+    or asks for context parallelism without Transformer Engine; NotImplementedError for MoE training at
+    TP > 1 without TE; and the bridge's errors for bad HF configs.
     """
     check_layout(config.layout, world_size)
     check_context_parallel(config.layout)
-    return ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype))
+    bridge = ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype))
+    _check_moe_training(bridge, config)
+    return bridge
+
+
+def _check_moe_training(bridge: ModelBridge, config: EngineConfig) -> None:
+    """megatron-core refuses to train MoE layers at TP > 1 without sequence parallelism, which needs TE (GPU)."""
+    from megarl.models.spec import te_available
+
+    if bridge.dims.moe and config.optim and config.layout.tp > 1 and not te_available():
+        raise NotImplementedError(
+            f"layout.tp={config.layout.tp} with a MoE model ({bridge.dims.model_type}): megatron-core trains MoE"
+            " layers at TP > 1 only with sequence parallelism, which needs Transformer Engine (GPU); on CPU"
+            " use tp=1 and split the experts with layout.ep instead")
 
 
 def check_context_parallel(layout) -> None:

@@ -67,6 +67,11 @@ class RoleGroups:
         return self.pg.cp.rank()
 
     @property
+    def ep_rank(self) -> int:
+        """Expert-parallel rank: this rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return self.pg.ep.rank()
+
+    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 

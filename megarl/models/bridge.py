@@ -2,8 +2,11 @@
 
 Owns: `ModelBridge`, which ties an HF config (`hf_config.py`), a parallel layout (`layout.py`),
 the model spec (`spec.py`) and the weight tables (`mapping.py`). Loading streams one HF tensor at a
-time into the local shard; export gathers TP shards one parameter at a time. Used by the
-conversion CLI, the training engine and the sharding manager.
+time into the local shard; export gathers TP shards (and, for MoE experts, the EP ranks' experts)
+one parameter at a time. Used by the conversion CLI, the training engine and the sharding manager.
+
+Expert TP is megatron-core's default, the TP size, and its groups hold the same ranks as the TP
+groups (TP is the fastest rank dimension of both grids), so a rank's expert-TP rank is its TP rank.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ class ModelBridge:
             pg_collection=pg_collection, vocab_divisible_by=self.vocab_divisible_by,
         )
 
+    def _lookup(self, name: str, layer_offset: int, ep_rank: int):
+        return self.weight_map.lookup(name, layer_offset, ep_rank * self.weight_map.local_experts(self.layout.ep))
+
     def _chunk_params(self, chunks, pp_rank: int):
         """(chunk-local name, parameter, layer offset) for every parameter of every chunk."""
         for vp_stage, chunk in enumerate(chunks):
@@ -58,11 +64,11 @@ class ModelBridge:
             for name, param in _unwrap(chunk).named_parameters():
                 yield name, param, offset
 
-    def load_hf_weights(self, chunks, source, *, tp_rank: int = 0, pp_rank: int = 0,
+    def load_hf_weights(self, chunks, source, *, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
                         progress: Optional[Callable[[str], None]] = None) -> None:
         """Copy this rank's shards from an HF checkpoint (path or reader) into `chunks`, one tensor at a time."""
         reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
-        plan = [(p, self.weight_map.lookup(n, off)) for n, p, off in self._chunk_params(chunks, pp_rank)]
+        plan = [(p, self._lookup(n, off, ep_rank)) for n, p, off in self._chunk_params(chunks, pp_rank)]
         plan = [(p, m) for p, m in plan if not self._keeps_fresh_head(m, reader)]
         reader.check_has(name for _, m in plan for name in m.hf)
         padded = _padded_vocab(chunks)
@@ -78,9 +84,10 @@ class ModelBridge:
                 progress(mapping.mcore)
 
     def count_hf_tensors(self, chunks, pp_rank: int = 0) -> int:
-        """How many tensors `iter_hf_weights` yields for these chunks."""
-        return sum(len(self.weight_map.lookup(name, offset).hf) for name, _, offset in self._chunk_params(chunks, pp_rank)
-                   if not self.weight_map.is_tied_copy(name))
+        """How many tensors `iter_hf_weights` yields for these chunks (expert weights: of every EP rank)."""
+        mappings = [self.weight_map.lookup(name, offset) for name, _, offset in self._chunk_params(chunks, pp_rank)
+                    if not self.weight_map.is_tied_copy(name)]
+        return sum(len(m.hf) * (self.layout.ep if m.expert else 1) for m in mappings)
 
     def _keeps_fresh_head(self, mapping, reader: HFCheckpointReader) -> bool:
         """A critic started from a causal-LM checkpoint has no `score.weight`: its value head keeps its init."""
@@ -89,15 +96,26 @@ class ModelBridge:
         logger.info("%s has no score.weight: the value head starts from its random init", reader.path)
         return True
 
-    def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of this pipeline stage; TP shards are gathered one parameter at a time."""
+    def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None,
+                        ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of this pipeline stage, one parameter at a time: TP shards are gathered,
+        and each local expert weight is gathered over EP into the weights of every EP rank's expert.
+
+        Collective over the TP and EP groups: every rank of a stage drains the iterator.
+        """
+        ep_size = self.layout.ep
         for name, param, offset in self._chunk_params(chunks, pp_rank):
             if self.weight_map.is_tied_copy(name):
                 continue
             mapping = self.weight_map.lookup(name, offset)
-            shards = [param.detach()] if mapping.tp_dim is None else _gather_tp(param.detach(), tp_group, self.layout.tp)
+            shards = [param.detach()] if mapping.tp_dim is None else _gather(param.detach(), tp_group, self.layout.tp)
             full = mapping.unshard(shards)
-            yield from zip(mapping.hf, mapping.to_hf(full, self.dims))
+            if not mapping.expert:
+                yield from zip(mapping.hf, mapping.to_hf(full, self.dims))
+                continue
+            for ep_rank, expert_full in enumerate(_gather(full, ep_group, ep_size)):
+                expert_mapping = self._lookup(name, offset, ep_rank)
+                yield from zip(expert_mapping.hf, expert_mapping.to_hf(expert_full, self.dims))
 
 
 def _unwrap(module):
@@ -110,9 +128,10 @@ def _padded_vocab(chunks) -> int:
     return _unwrap(chunks[0]).vocab_size
 
 
-def _gather_tp(tensor: torch.Tensor, group, tp_size: int) -> list[torch.Tensor]:
-    if tp_size == 1:
+def _gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's `tensor` of a TP or EP group, in group-rank order."""
+    if size == 1:
         return [tensor]
-    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+    shards = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
     return shards

@@ -1,4 +1,4 @@
-"""HF ↔ megatron-core distributed-checkpoint conversion at any TP/PP/VPP layout.
+"""HF ↔ megatron-core distributed-checkpoint conversion at any TP/PP/VPP/EP layout.
 
 Owns: `hf_to_mcore` and `mcore_to_hf` (validated up front, run on a spawned local world or under
 torchrun), and the megarl checkpoint metadata (`megarl_checkpoint.json`, written last, so a
@@ -44,7 +44,7 @@ class ConversionPlan:
 
     @property
     def world_size(self) -> int:
-        return self.layout.tp * self.layout.pp
+        return self.layout.min_world_size
 
 
 def _dtype_name(hf_config, requested: Optional[str]) -> str:
@@ -163,6 +163,12 @@ def _build(plan: ConversionPlan, hf_config_dir):
     return bridge, bridge.build(pp_rank), tp_rank, pp_rank
 
 
+def _ep_rank() -> int:
+    from megarl.models.runtime import expert_ranks
+
+    return expert_ranks()[0]
+
+
 def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
     from megatron.core import dist_checkpointing
 
@@ -172,7 +178,8 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         n_params = sum(1 for c in chunks for _ in c.parameters())
         start = time.perf_counter()
         with _progress(n_params, "hf→mcore") as bar:
-            bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, progress=lambda _: bar.update())
+            bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=_ep_rank(),
+                                   progress=lambda _: bar.update())
         loaded = time.perf_counter()
         staging = shared_staging_dir(Path(plan.dst))
         dist_checkpointing.save(sharded_model_state(chunks), str(staging), sharded_strategy=save_strategy())
@@ -212,13 +219,16 @@ def write_hf_shards(staging: Path, weights, *, writes: bool, pp_rank: int, pp_si
 def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
     from megatron.core import dist_checkpointing, parallel_state as ps
 
+    from megarl.models.runtime import expert_ranks
+
     staging = None
     try:
         bridge, chunks, tp_rank, pp_rank = _build(plan, Path(plan.src) / "hf")
         load_model_state(chunks, dist_checkpointing.load(sharded_model_state(chunks), plan.src))
         staging = shared_staging_dir(Path(plan.dst))
         writes = tp_rank == 0 and ps.get_data_parallel_rank() == 0
-        weights = bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group())
+        weights = bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group(),
+                                         ep_group=expert_ranks()[1])
         with _progress(bridge.count_hf_tensors(chunks, pp_rank), "mcore→hf") as bar:
             summary = write_hf_shards(staging, weights, writes=writes, pp_rank=pp_rank, pp_size=plan.layout.pp,
                                       side_files_from=Path(plan.src) / "hf", progress=bar.update)

@@ -14,10 +14,22 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 
 def weight_params(dims: ModelDims) -> int:
-    """Parameters that take part in every token's matmuls (embedding lookup excluded, output layer included)."""
+    """Parameters that take part in every token's matmuls (embedding lookup excluded, output layer included).
+
+    MoE: a token runs the router, its top-k experts and the shared expert (the active parameters).
+    """
     q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    per_layer = dims.hidden_size * (2 * q + 2 * kv) + 3 * dims.hidden_size * dims.ffn_hidden_size
+    per_layer = dims.hidden_size * (2 * q + 2 * kv) + 3 * dims.hidden_size * _active_ffn(dims)
+    if dims.moe:
+        per_layer += dims.hidden_size * (dims.moe.num_experts + int(dims.moe.shared_expert_gate))
     return dims.num_layers * per_layer + dims.vocab_size * dims.hidden_size
+
+
+def _active_ffn(dims: ModelDims) -> int:
+    """Intermediate width a token passes through: the dense MLP's, or top-k experts' plus the shared expert's."""
+    if dims.moe is None:
+        return dims.ffn_hidden_size
+    return dims.moe.topk * dims.moe.ffn_hidden_size + dims.moe.shared_expert_ffn_hidden_size
 
 
 def train_flops(dims: ModelDims, lengths: torch.Tensor) -> float:

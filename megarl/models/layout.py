@@ -5,6 +5,7 @@ Must not import megatron, vLLM or Ray (it is used to validate configs before any
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -40,6 +41,11 @@ class ParallelLayout:
         """Ranks that hold one full copy of the model."""
         return self.tp * self.pp * self.cp
 
+    @property
+    def min_world_size(self) -> int:
+        """Fewest ranks that run this layout: one model copy, plus the DP ranks EP is carved from (ep | dp*cp)."""
+        return self.model_parallel_size * (self.ep // math.gcd(self.ep, self.cp))
+
     def dp_size(self, world_size: int) -> int:
         """Data-parallel size for `world_size` ranks; raises when the layout does not divide it."""
         if world_size % self.model_parallel_size:
@@ -50,8 +56,9 @@ class ParallelLayout:
         return world_size // self.model_parallel_size
 
     def check_dims(self, dims) -> None:
-        """`check_model` for a `ModelDims` (anything with num_layers, num_heads, num_kv_heads)."""
-        self.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads)
+        """`check_model` for a `ModelDims` (anything with num_layers, num_heads, num_kv_heads[, num_experts])."""
+        self.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
+                         num_experts=getattr(dims, "num_experts", 0))
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, num_experts: int = 0) -> None:
         """Raise `LayoutError` naming the sizes that do not divide, before any weight is read."""
@@ -71,6 +78,7 @@ class ParallelLayout:
                 f" pick pp/vpp so that every (virtual) stage gets the same number of layers"
             )
         if num_experts and num_experts % self.ep:
-            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; pick an ep that divides"
+                              " the number of experts (every EP rank holds the same number of experts)")
         if not num_experts and self.ep > 1:
             raise LayoutError(f"ep={self.ep} needs a mixture-of-experts model; this model is dense")

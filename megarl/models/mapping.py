@@ -11,9 +11,17 @@ Megatron layouts (TP1, the "full" tensor):
 * Row-parallel weights (`linear_proj`, `linear_fc2`) split on dim 1; column-parallel on dim 0.
 * Embedding / output rows are padded to the padded vocab size and split on dim 0.
 * Norms (and the scalar value head) are replicated.
+* MoE: the router (`mlp.router.weight`, [experts, hidden]) is replicated. Routed experts are
+  megatron-core `SequentialMLP`s (`mlp.experts.local_experts.{i}.linear_fc1/linear_fc2`): expert
+  parallelism gives EP rank r the global experts [r*E/ep, (r+1)*E/ep) as local experts 0..E/ep-1,
+  and expert TP (megatron's default: the TP size) splits each expert like the dense MLP. Tables
+  hold `{expert}` in both names; `lookup` turns a local expert number global (`expert_offset`).
+  Qwen2-MoE's shared expert is `mlp.shared_experts` (a dense MLP) with its sigmoid gate
+  `mlp.shared_experts.gate_weight` ([1, hidden], replicated).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,7 +31,9 @@ import torch
 from megarl.models.hf_config import ModelDims
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer.
 TE_NAME_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -44,6 +54,8 @@ class Mapping:
     mcore: str
     hf: tuple[str, ...]
     tp_dim: int | None = None
+    expert: bool = False
+    """A routed expert's weight: split over EP by expert number, over expert-TP like a dense weight."""
 
     def to_mcore(self, hf_tensors: Sequence[torch.Tensor], dims: ModelDims, padded_vocab: int) -> torch.Tensor:
         """HF tensors (in `self.hf` order) → the megatron TP1 tensor."""
@@ -65,10 +77,13 @@ class Mapping:
             return shards[0]
         return torch.cat(list(shards), dim=self.tp_dim)
 
-    def with_layer(self, layer: int) -> "Mapping":
-        return type(self)(
-            self.mcore.replace(LAYER, str(layer)), tuple(n.replace(LAYER, str(layer)) for n in self.hf), self.tp_dim
-        )
+    def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
+        """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
+        def fill(name: str) -> str:
+            name = name.replace(LAYER, str(layer))
+            return name.replace(EXPERT, str(expert)) if expert is not None else name
+
+        return dataclasses.replace(self, mcore=fill(self.mcore), hf=tuple(fill(n) for n in self.hf))
 
 
 @dataclass(frozen=True)
@@ -140,17 +155,65 @@ class GateUpMapping(Mapping):
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
+@dataclass(frozen=True)
+class MoENames:
+    """HF names (under `model.layers.{layer}.`) of one family's MoE block; `{expert}` is the expert number."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+    shared_prefix: str = "mlp.shared_expert."
+    shared_gate: str = "mlp.shared_expert_gate.weight"
+
+
+_QWEN_MOE = MoENames("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight",
+                     "mlp.experts.{expert}.down_proj.weight")
+MOE_HF_NAMES = {
+    "mixtral": MoENames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.w1.weight",
+                        "block_sparse_moe.experts.{expert}.w3.weight", "block_sparse_moe.experts.{expert}.w2.weight"),
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
+}
+"""A new MoE family is a new row (names as `save_pretrained` writes them and vLLM loads them)."""
+
+_HF, _MC = "model.layers.{layer}.", "decoder.layers.{layer}."
+
+
+def _dense_mlp_table(hf: str, mc: str) -> list[Mapping]:
+    """SwiGLU MLP `hf` (an HF module prefix with gate/up/down_proj) as megatron MLP `mc`."""
+    return [
+        GateUpMapping(mc + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight")),
+        Mapping(mc + "linear_fc2.weight", (hf + "down_proj.weight",), tp_dim=1),
+    ]
+
+
+def _moe_table(dims: ModelDims) -> list[Mapping]:
+    if dims.model_type not in MOE_HF_NAMES:
+        raise KeyError(f"no MoE name table for model_type={dims.model_type!r}; add a row to MOE_HF_NAMES")
+    names, experts = MOE_HF_NAMES[dims.model_type], _MC + "mlp.experts.local_experts.{expert}."
+    table = [
+        Mapping(_MC + "mlp.router.weight", (_HF + names.router,)),
+        GateUpMapping(experts + "linear_fc1.weight", (_HF + names.gate, _HF + names.up), expert=True),
+        Mapping(experts + "linear_fc2.weight", (_HF + names.down,), tp_dim=1, expert=True),
+    ]
+    if dims.moe.shared_expert_ffn_hidden_size:
+        table += _dense_mlp_table(_HF + names.shared_prefix, _MC + "mlp.shared_experts.")
+    if dims.moe.shared_expert_gate:
+        table.append(Mapping(_MC + "mlp.shared_experts.gate_weight", (_HF + names.shared_gate,)))
+    return table
+
+
 def _layer_table(dims: ModelDims) -> list[Mapping]:
-    hf, mc = "model.layers.{layer}.", "decoder.layers.{layer}."
+    hf, mc = _HF, _MC
     attn = hf + "self_attn."
     table = [
         Mapping(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",)),
         QKVMapping(mc + "self_attention.linear_qkv.weight", tuple(attn + f"{p}_proj.weight" for p in "qkv")),
         Mapping(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp_dim=1),
         Mapping(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",)),
-        GateUpMapping(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
-        Mapping(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), tp_dim=1),
     ]
+    table += _moe_table(dims) if dims.moe else _dense_mlp_table(hf + "mlp.", mc + "mlp.")
     if dims.qkv_bias:
         table.append(QKVMapping(mc + "self_attention.linear_qkv.bias", tuple(attn + f"{p}_proj.bias" for p in "qkv")))
     if dims.qk_norm:
@@ -180,16 +243,21 @@ class WeightMap:
         self._layer = {m.mcore[len("decoder.layers.{layer}.") :]: m for m in _layer_table(dims)}
         self._global = {m.mcore: m for m in _global_table(dims, value_head)}
 
-    def lookup(self, mcore_name: str, layer_offset: int = 0) -> Mapping:
-        """Mapping of a chunk-local megatron name; `layer_offset` turns local layer numbers global."""
+    def lookup(self, mcore_name: str, layer_offset: int = 0, expert_offset: int = 0) -> Mapping:
+        """Mapping of a chunk-local megatron name; the offsets turn local layer / expert numbers global."""
         name = canonical_name(mcore_name)
         if self.is_tied_copy(name):
             return VocabMapping(name, ("model.embed_tokens.weight",))
         if name in self._global:
             return self._global[name]
         match = _LAYER_RE.match(name)
-        if match and match.group(2) in self._layer:
-            return self._layer[match.group(2)].with_layer(int(match.group(1)) + layer_offset)
+        if match:
+            layer, rest = int(match.group(1)) + layer_offset, match.group(2)
+            expert = _EXPERT_RE.match(rest)
+            if expert:
+                rest = f"mlp.experts.local_experts.{EXPERT}.{expert.group(2)}"
+            if rest in self._layer:
+                return self._layer[rest].with_layer(layer, int(expert.group(1)) + expert_offset if expert else None)
         raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r} ({self.dims.model_type})")
 
     def is_tied_copy(self, mcore_name: str) -> bool:
@@ -199,10 +267,16 @@ class WeightMap:
 
     def all_mappings(self) -> list[Mapping]:
         """Every mapping of the full model, with global layer numbers, in HF order."""
-        layers = [m.with_layer(i) for i in range(self.dims.num_layers) for m in self._layer.values()]
+        experts = range(self.dims.num_experts)
+        layers = [m.with_layer(i, e) for i in range(self.dims.num_layers) for m in self._layer.values()
+                  for e in (experts if m.expert else [None])]
         return [self._global["embedding.word_embeddings.weight"]] + layers + [
             m for k, m in self._global.items() if k != "embedding.word_embeddings.weight"
         ]
+
+    def local_experts(self, ep: int) -> int:
+        """Experts each of `ep` expert-parallel ranks holds (0 for dense models)."""
+        return self.dims.num_experts // ep
 
     def hf_names(self) -> list[str]:
         return [n for m in self.all_mappings() for n in m.hf]

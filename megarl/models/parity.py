@@ -28,7 +28,7 @@ class ParityResult:
     def __str__(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
         return (f"{verdict}: max |Δlogit| = {self.max_abs_diff:.3e} (tolerance {self.atol:.0e}) at tp={self.layout.tp}"
-                f" pp={self.layout.pp} vpp={self.layout.vpp}, logits {list(self.shape)}")
+                f" pp={self.layout.pp} vpp={self.layout.vpp} ep={self.layout.ep}, logits {list(self.shape)}")
 
 
 def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -67,15 +67,16 @@ def hf_logits(hf_path, input_ids: torch.Tensor) -> torch.Tensor:
 def parity_rank(hf_paths: list[str], layout: ParallelLayout, input_ids: torch.Tensor) -> list[Optional[torch.Tensor]]:
     """Per-rank work: for each HF model, load it into megatron at `layout` and return last-stage logits."""
     from megarl.models.bridge import ModelBridge
-    from megarl.models.runtime import init_megatron, ranks
+    from megarl.models.runtime import expert_ranks, init_megatron, ranks
 
     init_megatron(layout)
     tp_rank, pp_rank, _ = ranks()
+    ep_rank, _ = expert_ranks()
     results = []
     for hf_path in hf_paths:
         bridge = ModelBridge.from_hf_path(hf_path, layout)
         chunks = bridge.build(pp_rank)
-        bridge.load_hf_weights(chunks, hf_path, tp_rank=tp_rank, pp_rank=pp_rank)
+        bridge.load_hf_weights(chunks, hf_path, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)
         for chunk in chunks:
             chunk.eval()
         results.append(megatron_logits(chunks, input_ids, bridge.dims.vocab_size))
@@ -84,7 +85,7 @@ def parity_rank(hf_paths: list[str], layout: ParallelLayout, input_ids: torch.Te
 
 def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, batch: int = 2, seq: int = 16,
                       atol: float = 1e-4, seed: int = 0) -> list[ParityResult]:
-    """Run megatron (one spawned world of tp*pp ranks for all models) and transformers on the same tokens."""
+    """Run megatron (one spawned world of tp*pp*ep ranks for all models) and transformers on the same tokens."""
     from megarl.models.hf_config import describe_hf_config, load_hf_config
     from megarl.utils.distributed import run_distributed
 
@@ -93,7 +94,7 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
         layout.check_dims(dims)
     vocab = min(dims.vocab_size for dims in all_dims)
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    per_rank = run_distributed(parity_rank, layout.tp * layout.pp, [str(p) for p in hf_paths], layout, tokens)
+    per_rank = run_distributed(parity_rank, layout.min_world_size, [str(p) for p in hf_paths], layout, tokens)
     results = []
     for i, hf_path in enumerate(hf_paths):
         ours = next(r[i] for r in per_rank if r[i] is not None)

@@ -37,3 +37,12 @@ def ranks() -> tuple[int, int, int]:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+
+
+def expert_ranks() -> tuple[int, object]:
+    """(EP rank, EP group) of this process in megatron's global groups (rank 0 and None without EP)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return 0, None
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()

@@ -3,6 +3,11 @@
 Owns: `transformer_config`, `layer_spec` (Transformer Engine spec when TE imports, the local
 pure-torch spec otherwise), `build_model_chunks` (one GPTModel per virtual pipeline stage, with
 the critic / reward-model scalar head), and RoPE variants megatron-core does not compute itself.
+
+MoE (`dims.moe`): every layer's MLP is megatron-core's `MoELayer` with `SequentialMLP` experts
+(`moe_grouped_gemm=False`, on the local and the TE spec alike, so parameter names are the same
+everywhere), dropless (no capacity factor, like HF), with the router normalisation HF uses (see
+`hf_config`). Token dispatcher: see `MOE_TOKEN_DISPATCHER`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,31 @@ def te_available() -> bool:
     except Exception:  # TE raises OSError/ImportError/RuntimeError without CUDA libraries
         return False
     return torch.cuda.is_available()
+
+
+MOE_TOKEN_DISPATCHER = "alltoall"
+"""megatron-core's all-to-all token dispatcher: its choice for EP > 1, and the only one that allows
+`variable_seq_lengths` (the training engine's unpadded micro-batches). On CPU it needs
+`megatron_patches.moe_dispatch` (split sizes as host arrays for gloo's all_to_all_single)."""
+
+
+def moe_config_kwargs(dims: ModelDims) -> dict:
+    """The `TransformerConfig` fields of a MoE model (empty for dense models)."""
+    moe = dims.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob,  # softmax → top-k (unnormalised) vs top-k → softmax
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coef,
+        moe_input_jitter_eps=moe.jitter_eps or None,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+    )
 
 
 def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dtype = torch.float32, **overrides):
@@ -70,7 +100,10 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # also for dense models: megatron-core refuses its default (allgather) with variable_seq_lengths
+        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
     )
+    kwargs.update(moe_config_kwargs(dims))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -79,9 +112,10 @@ def layer_spec(dims: ModelDims):
     """Transformer Engine layer spec when TE imports, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    moe = dict(num_experts=dims.num_experts, moe_grouped_gemm=False) if dims.moe else {}
     if te_available():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm, **moe)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm", **moe)
 
 
 class ValueHead(torch.nn.Module):

@@ -5,7 +5,10 @@ temperature, top-k, top-p, stop tokens, per-request seeds); requests are grouped
 length and sampling params so no padding enters the attention (greedy output equals
 `transformers.generate` on the single prompt). Log-probs are of the raw model distribution.
 Weight updates copy HF-named tensors into the parameters (`named_parameters`, so tied
-embeddings are one tensor), strict names and shapes. The fallback, not the default:
+embeddings are one tensor), strict names and shapes. Names are the checkpoint's (what
+`save_pretrained` writes, vLLM loads and the sharding manager sends): for MoE families, whose
+transformers modules fuse the experts ([experts, 2·ffn, hidden] gate-up, [experts, hidden, ffn]
+down), each per-expert name is a view into the fused parameter (`checkpoint_params`). The fallback, not the default:
 `megarl.rollout.create_engine` picks vLLM wherever it imports.
 """
 from __future__ import annotations
@@ -19,6 +22,28 @@ import torch
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 
 
+def checkpoint_params(model) -> dict[str, torch.Tensor]:
+    """The model's parameters under their checkpoint names; MoE experts as views of the fused tensors."""
+    from megarl.models.mapping import EXPERT, MOE_HF_NAMES
+
+    params = dict(model.named_parameters())
+    names = MOE_HF_NAMES.get(model.config.model_type)
+    if names is None:
+        return params
+    for layer in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        params[prefix + names.router] = params.pop(prefix + "mlp.gate.weight")
+        # detached views share the parameters' storage without autograd's view tracking
+        gate_up = params.pop(prefix + "mlp.experts.gate_up_proj").detach()
+        down = params.pop(prefix + "mlp.experts.down_proj").detach()
+        ffn = gate_up.shape[1] // 2
+        for expert in range(gate_up.shape[0]):
+            gate, up = gate_up[expert, :ffn], gate_up[expert, ffn:]  # transformers: gate, up = (x @ W.T).chunk(2)
+            for template, view in ((names.gate, gate), (names.up, up), (names.down, down[expert])):
+                params[prefix + template.replace(EXPERT, str(expert))] = view
+    return params
+
+
 class EmbeddedEngine(RolloutEngine):
     """A `transformers` causal LM behind the rollout-engine API (CPU or one GPU)."""
 
@@ -29,7 +54,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
-        self._params = dict(self.model.named_parameters())
+        self._params = checkpoint_params(self.model)
 
     def describe(self) -> str:
         return f"embedded ({Path(self.model_path).name})"

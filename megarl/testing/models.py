@@ -1,7 +1,8 @@
 """Tiny HuggingFace models built from configs (no download) for tests, benchmarks and demos.
 
 Owns: `tiny_hf_config` / `save_tiny_hf_model`, one config per supported family, 2 layers and
-hidden 64 by default, saved with `save_pretrained` as safetensors. Imports transformers only.
+hidden 64 by default (MoE families: 4 experts, top-2), saved with `save_pretrained` as safetensors.
+Imports transformers only.
 """
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
+"""Qwen3-MoE renormalises its top-k probabilities here (as Qwen3-30B-A3B does), Qwen2-MoE does not."""
+_MOE_EXTRA = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      head_dim=32, use_sliding_window=False),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+                      shared_expert_intermediate_size=96, use_sliding_window=False),
+}
 
 
 def tiny_hf_config(arch: str, *, vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
@@ -31,6 +41,8 @@ def tiny_hf_config(arch: str, *, vocab_size: int = 96, hidden_size: int = 64, nu
         common.update(sliding_window=None, head_dim=hidden_size // num_heads)
     elif arch == "llama":
         common.update(tie_word_embeddings=False)
+    elif arch in _MOE_EXTRA:
+        common.update(tie_word_embeddings=False, **_MOE_EXTRA[arch])
     if tie_word_embeddings is not None:
         common["tie_word_embeddings"] = tie_word_embeddings
     if rope_scaling is not None:
@@ -54,9 +66,22 @@ def save_tiny_hf_model(arch: str, path: str | Path, *, seed: int = 0, tokenizer=
 
 
 def _perturb_norms(model, seed: int) -> None:
-    """Norm weights start at 1.0 (and biases at 0); randomise them so a wrong mapping cannot hide."""
+    """Norm weights start at 1.0 (and biases at 0); randomise them so a wrong mapping cannot hide.
+
+    MoE routers (and the shared-expert gate) get large weights: routing is then decisive (no near
+    ties that rounding could flip). Expert weights are scaled up 10x so the MoE output is not lost
+    in the residual stream: a wrong expert, order or routing normalisation moves the logits a lot.
+    MoE biases are centred on 0: a value bias near 1 adds one common vector to every token, and
+    the router would then send all tokens to the same experts.
+    """
     gen = torch.Generator().manual_seed(seed + 1)
+    moe = model.config.model_type in _MOE_EXTRA
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+                centre = 0.0 if moe and name.endswith(".bias") else 1.0
+                param.copy_(centre + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif ".experts." in name or ".shared_expert." in name:
+                param.mul_(10.0)

@@ -119,7 +119,7 @@ class RolloutSender:
 
         self.rank = dist.get_rank()
         actor = local_role("actor").engine
-        self.sends = 0 in dist.get_process_group_ranks(actor.groups.pg.mp)
+        self.sends = 0 in dist.get_process_group_ranks(_replica_group(actor))
         self.manager = _sharding_manager(actor, {0}) if self.sends else None
         self.sender = None
         _LOCAL["rollout"] = self
@@ -151,14 +151,22 @@ class RolloutSender:
             self.sender = None
 
 
+def _replica_group(actor_engine):
+    """The ranks that together hold one full copy of the weights: TP×PP, and ×EP for MoE models."""
+    groups = actor_engine.groups
+    return groups.pg.tp_ep_pp if actor_engine.config.layout.ep > 1 else groups.pg.mp
+
+
 def _sharding_manager(actor_engine, hosts: set[int]):
-    """A manager per actor replica (TP×PP ranks); it feeds the ranks of `hosts` inside that replica."""
+    """A manager per actor replica; it feeds the ranks of `hosts` inside that replica."""
     import torch.distributed as dist
 
     from megarl.rollout.sharding.manager import ShardingManager, TrainGroups
 
     groups, layout = actor_engine.groups, actor_engine.config.layout
-    train_groups = TrainGroups(groups.pg.tp, groups.pg.mp, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp)
-    replica = dist.get_process_group_ranks(groups.pg.mp)
+    replica_group = _replica_group(actor_engine)
+    train_groups = TrainGroups(groups.pg.tp, replica_group, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp,
+                               groups.ep_rank, layout.ep)
+    replica = dist.get_process_group_ranks(replica_group)
     return ShardingManager(actor_engine.bridge, actor_engine.chunks, train_groups,
                            rollout_ranks=[r for r in replica if r in hosts])

@@ -26,3 +26,9 @@ def test_mfu_metric_is_flops_over_peak_time_and_gpus():
     expected = 2 * train_flops(dims, torch.tensor([4.0, 4.0])) / (2.0 * 4 * 1e6)
     assert abs(out["perf/mfu_actor_update"] - expected) < 1e-12
     assert "perf/mfu_actor_update" not in timing_metrics(timer, batch)
+
+
+def test_moe_flops_count_the_active_experts():
+    dims = describe_hf_config(tiny_hf_config("qwen2_moe"))  # attention as Llama's; 4 experts × 64, top-2, shared 96 + gate
+    per_layer = 64 * (2 * 64 + 2 * 32) + 3 * 64 * (2 * 64 + 96) + 64 * (4 + 1)
+    assert weight_params(dims) == 2 * per_layer + 96 * 64

@@ -16,13 +16,13 @@ def fixed_sequences(vocab=96, n=4, length=20):
 def build_actor(actor_path, layout):
     """Megatron chunks of this rank, loaded from an HF checkpoint (init_megatron + the bridge)."""
     from megarl.models.bridge import ModelBridge
-    from megarl.models.runtime import init_megatron, ranks
+    from megarl.models.runtime import expert_ranks, init_megatron, ranks
 
     init_megatron(layout)
     tp_rank, pp_rank, _ = ranks()
     bridge = ModelBridge.from_hf_path(actor_path, layout)
     chunks = bridge.build(pp_rank)
-    bridge.load_hf_weights(chunks, actor_path, tp_rank=tp_rank, pp_rank=pp_rank)
+    bridge.load_hf_weights(chunks, actor_path, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=expert_ranks()[0])
     for chunk in chunks:
         chunk.eval()
     return bridge, chunks
@@ -57,8 +57,10 @@ def reference_export(bridge, chunks):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megarl.models.runtime import expert_ranks
+
     mine = dict(bridge.iter_hf_weights(chunks, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                                       tp_group=ps.get_tensor_model_parallel_group()))
+                                       tp_group=ps.get_tensor_model_parallel_group(), ep_group=expert_ranks()[1]))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: v for d in everyone for k, v in d.items()}
@@ -143,6 +145,32 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()
     out.update(snaps=snaps, actor=actor, exchanges=manager.metadata_exchanges, buckets=len(manager.plan.buckets))
+    return out
+
+
+def ep_sync_rank(actor_path, engine_path, layout, sequences):
+    """An expert-parallel actor synced into an embedded engine on rank 0: the engine's tensors after a
+    sync and after a perturbed re-sync, the bridge's EP-gathered export, and log-probs of both sides."""
+    from megarl.rollout.sharding.manager import ShardingManager
+
+    bridge, chunks = build_actor(actor_path, layout)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10)
+    engine = _make_engine("embedded", engine_path) if manager.is_rollout_rank else None
+    out = {"rollout": manager.is_rollout_rank, "buckets": len(manager.plan.buckets),
+           "sources": sorted({b.source for b in manager.plan.buckets})}
+    if engine is not None:
+        out["before"] = torch.tensor(engine.score(sequences.tolist()))
+    manager.sync(engine)
+    out["actor"] = actor_log_probs(chunks, bridge, sequences)
+    if engine is not None:
+        out["synced"] = {n: t.clone() for n, t in engine._params.items()}
+        out["scores"] = torch.tensor(engine.score(sequences.tolist()))
+    perturb_layers(chunks)
+    manager.sync(engine)
+    reference = reference_export(bridge, chunks)
+    if engine is not None:
+        out["perturbed_equals_reference"] = set(reference) == set(engine._params) and all(
+            torch.equal(engine._params[n], t) for n, t in reference.items())
     return out
 
 

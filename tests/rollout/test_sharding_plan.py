@@ -107,3 +107,37 @@ def test_missing_stage_metadata_is_a_clear_error():
     wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 1, 2)
     with pytest.raises(PlanError, match="every pipeline stage"):
         plan_sync([m for m in metas if m.pp_rank == 0], wmap, tp_size=1, pp_size=2)
+
+
+def _ep_metas(checkpoint, wmap, ep):
+    """ParamMeta of a TP1 × EP`ep` layout: EP rank r reports its experts (as local experts) and, on r = 0, the rest."""
+    local_experts = wmap.local_experts(ep)
+    metas = []
+    for mapping in wmap.all_mappings():
+        full = mapping.to_mcore([checkpoint[n] for n in mapping.hf], wmap.dims, padded_vocab_size(wmap.dims.vocab_size, 1))
+        name, ep_rank = mapping.mcore, 0
+        if mapping.expert:
+            expert = int(name.split("local_experts.")[1].split(".")[0])
+            ep_rank = expert // local_experts
+            name = name.replace(f"local_experts.{expert}.", f"local_experts.{expert % local_experts}.")
+        metas.append(ParamMeta(name, tuple(full.shape), "float32", 0, 0, 0, ep_rank))
+    return metas
+
+
+def test_ep_plan_takes_each_expert_from_its_ep_rank(tmp_path):
+    from safetensors.torch import load_file
+
+    from megarl.testing.models import save_tiny_hf_model
+
+    save_tiny_hf_model("qwen2_moe", tmp_path, seed=0)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    wmap = WeightMap(describe_hf_config(tiny_hf_config("qwen2_moe")))
+    metas = _ep_metas(checkpoint, wmap, ep=2)
+    plan = plan_sync(metas, wmap, tp_size=1, pp_size=1, ep_size=2, bucket_bytes=20_000)
+    specs = {s.name: s.shape for s in plan.hf_specs()}
+    assert specs == {n: tuple(t.shape) for n, t in checkpoint.items()} and len(plan.hf_specs()) == len(checkpoint)
+    from_ep1 = {s.name for b in plan.buckets if b.source == (0, 1) for s in b.hf}
+    assert from_ep1 == {n for n in checkpoint if any(f"experts.{e}." in n for e in (2, 3))}
+    dense_from_ep1 = ParamMeta("decoder.final_layernorm.weight", (64,), "float32", 0, 0, 0, ep_rank=1)
+    with pytest.raises(PlanError, match="reported by EP rank 1"):
+        plan_sync(metas + [dense_from_ep1], wmap, tp_size=1, pp_size=1, ep_size=2)

@@ -9,6 +9,10 @@ take part in the collectives. Before any bytes move the rollout ranks check the 
 shapes against their engine and all ranks agree (one small collective), so a bad update fails
 everywhere with the engine's message and nothing is loaded.
 
+Expert parallelism (MoE): a replica is TP × EP × PP ranks (`mp_group` is megatron's tp-ep-pp
+group); every EP rank's TP ranks send their own experts' weights, EP rank 0's send the rest, so
+the rollout ranks receive every expert under its global HF name with no EP gather on the way.
+
 Must not import the training engine: it takes model chunks, a `ModelBridge` and process groups.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from megarl.rollout.sharding.transport import BufferRing, stream_buckets, unpack
 
 @dataclass
 class TrainGroups:
-    """Process groups of one model replica of the training layout (TP × PP).
+    """Process groups of one model replica of the training layout (TP × PP, × EP for MoE).
 
     The transport moves bytes point to point on the default group (global ranks); `mp_group`
     carries the one metadata exchange and the agreement before an update. `tp_group` is kept
@@ -35,20 +39,30 @@ class TrainGroups:
 
     tp_group: object
     mp_group: object
-    """All TP × PP ranks of the replica (metadata exchange, agreement)."""
+    """All TP × PP (× EP) ranks of the replica (metadata exchange, agreement)."""
     tp_rank: int
     pp_rank: int
     tp_size: int
     pp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @classmethod
     def from_parallel_state(cls) -> "TrainGroups":
         """Megatron's global groups (`init_megatron`); the training engine passes its own collection."""
         from megatron.core import parallel_state as ps
 
-        return cls(ps.get_tensor_model_parallel_group(), ps.get_model_parallel_group(),
+        ep_size = ps.get_expert_model_parallel_world_size()
+        replica = ps.get_expert_tensor_model_pipeline_parallel_group() if ep_size > 1 else ps.get_model_parallel_group()
+        return cls(ps.get_tensor_model_parallel_group(), replica,
                    ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+                   ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_rank() if ep_size > 1 else 0, ep_size)
+
+    @property
+    def source(self) -> tuple[int, int]:
+        """(pp_rank, ep_rank) of this rank: the key of its TP group in the manager's `stage_ranks`."""
+        return self.pp_rank, self.ep_rank
 
 
 class ShardingManager:
@@ -73,7 +87,7 @@ class ShardingManager:
         self._local = self._local_params(chunks)
         self._rollout_ranks = rollout_ranks
         self._plan: Optional[SyncPlan] = None
-        self.stage_ranks: list[list[int]] = []
+        self.stage_ranks: dict[tuple[int, int], list[int]] = {}
         self.metadata_exchanges = 0
 
     def _local_params(self, chunks) -> dict:
@@ -85,8 +99,10 @@ class ShardingManager:
             offset = layer_offset(model.config, self.groups.pp_rank, vp_stage if len(chunks) > 1 else None)
             for name, param in model.named_parameters():
                 local[(vp_stage, name)] = param
+                if self.groups.ep_rank and not self.bridge.weight_map.lookup(name, offset).expert:
+                    continue  # EP rank 0 reports the parameters every EP rank holds
                 self._metas.append(ParamMeta(name, tuple(param.shape), str(param.dtype).replace("torch.", ""),
-                                             self.groups.pp_rank, vp_stage, offset))
+                                             self.groups.pp_rank, vp_stage, offset, self.groups.ep_rank))
         return local
 
     # -- planning (metadata exchanged once) ---------------------------------------------------
@@ -100,20 +116,20 @@ class ShardingManager:
         import torch.distributed as dist
 
         g = self.groups
-        mine = (g.pp_rank, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None)
+        mine = (g.source, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None)
         everyone = [None] * dist.get_world_size(g.mp_group)
         dist.all_gather_object(everyone, mine, group=g.mp_group)
         self.metadata_exchanges += 1
-        grid = [[None] * g.tp_size for _ in range(g.pp_size)]
+        grid = {(pp, ep): [None] * g.tp_size for pp in range(g.pp_size) for ep in range(g.ep_size)}
         metas = []
-        for pp, tp, rank, stage_metas in everyone:
-            grid[pp][tp] = rank
+        for source, tp, rank, stage_metas in everyone:
+            grid[source][tp] = rank
             metas.extend(stage_metas or [])
         self.stage_ranks = grid
         if self._rollout_ranks is None:
-            self._rollout_ranks = [grid[0][0]]
+            self._rollout_ranks = [grid[(0, 0)][0]]
         return plan_sync(metas, self.bridge.weight_map, tp_size=g.tp_size, pp_size=g.pp_size,
-                         bucket_bytes=self.bucket_bytes)
+                         bucket_bytes=self.bucket_bytes, ep_size=g.ep_size)
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -135,7 +151,7 @@ class ShardingManager:
         with torch.no_grad():
             for bucket, gathered in stream_buckets(plan.buckets, self._local, my_rank=self.rank,
                                                    stage_ranks=self.stage_ranks, dest_ranks=self._rollout_ranks,
-                                                   my_pp_rank=self.groups.pp_rank, prefetch=self.prefetch):
+                                                   my_source=self.groups.source, prefetch=self.prefetch):
                 out = outputs.take(bucket.gathered_numel, bucket.dtype, gathered.device) if bucket.sharded else None
                 yield unpack_bucket(bucket, gathered, dims, out)
 

@@ -5,10 +5,12 @@ parameter values, so it is tested on CPU with made-up metadata and every transpo
 (`transport.py`, `broadcast.py`, `ipc.py`) moves bytes by the same plan.
 
 Input: one `ParamMeta` per megatron parameter of one TP rank of every pipeline stage (shapes are
-the local TP shard; all TP ranks of a stage hold the same shapes), plus the TP size and the
-model's `WeightMap`. Output: a `SyncPlan`, a list of `Bucket`s in transfer order (HF order within
-a stage, stages taking turns so they ship concurrently). A bucket holds the
-parameters of one pipeline stage, one dtype, and one kind:
+the local TP shard; all TP ranks of a stage hold the same shapes), plus the TP (and EP) size and
+the model's `WeightMap`. With expert parallelism (MoE), a *source* is one (pipeline stage, EP
+rank): EP rank 0 reports every parameter, the other EP ranks only their routed experts' weights
+(`Mapping.expert`), which the weight map numbers globally from the meta's `ep_rank`. Output: a `SyncPlan`, a list of `Bucket`s in transfer order (HF order within
+a stage, sources taking turns so they ship concurrently). A bucket holds the
+parameters of one source (stage, EP rank), one dtype, and one kind:
 
 * sharded buckets: every TP rank packs its shards into one flat buffer and the stage gathers them
   with a single collective; the receiver cuts each parameter's shards out, `Mapping.unshard`s
@@ -24,6 +26,7 @@ make the HF layer numbers global.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -49,6 +52,8 @@ class ParamMeta:
     """Index of the chunk on its pipeline rank (0 without virtual stages)."""
     layer_offset: int
     """Global index of the chunk's first transformer layer."""
+    ep_rank: int = 0
+    """Expert-parallel rank of the reporting rank: its local experts are experts ep_rank * E/ep + i."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,13 @@ class Bucket:
     """True: gather TP shards (one collective); False: replicated, read from the first TP rank."""
     params: tuple[PlannedParam, ...]
     tp_size: int
+    ep_rank: int = 0
+    """With EP: the EP rank whose TP ranks (of stage `pp_rank`) hold the bucket."""
+
+    @property
+    def source(self) -> tuple[int, int]:
+        """(pp_rank, ep_rank): the key of the TP ranks that send this bucket."""
+        return self.pp_rank, self.ep_rank
 
     @property
     def local_numel(self) -> int:
@@ -135,30 +147,35 @@ class PlanError(ValueError):
 
 
 def plan_sync(metas: Iterable[ParamMeta], weight_map: WeightMap, *, tp_size: int, pp_size: int,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncPlan:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, ep_size: int = 1) -> SyncPlan:
     """Buckets (≤ `bucket_bytes` gathered bytes each) of HF tensors for one full model, in HF order."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
-    planned = _planned_params(metas, weight_map, tp_size)
+    planned = _planned_params(metas, weight_map, tp_size, ep_size)
     _check_complete(planned, weight_map)
-    per_stage = [_pack_stage([p for p in planned if p.meta.pp_rank == pp_rank], pp_rank, tp_size, bucket_bytes)
-                 for pp_rank in range(pp_size)]
-    # Transfer order: round robin over stages, so every stage packs and sends while the rollout
-    # rank unpacks another stage's bucket.
-    rounds = max((len(s) for s in per_stage), default=0)
-    ordered = [stage[i] for i in range(rounds) for stage in per_stage if i < len(stage)]
-    buckets = [Bucket(i, b.pp_rank, b.dtype, b.sharded, b.params, b.tp_size) for i, b in enumerate(ordered)]
+    sources = [(pp_rank, ep_rank) for pp_rank in range(pp_size) for ep_rank in range(ep_size)]
+    per_source = [_pack_stage([p for p in planned if (p.meta.pp_rank, p.meta.ep_rank) == source], source, tp_size,
+                              bucket_bytes) for source in sources]
+    # Transfer order: round robin over sources, so every stage (and EP rank) packs and sends while
+    # the rollout rank unpacks another one's bucket.
+    rounds = max((len(s) for s in per_source), default=0)
+    ordered = [stage[i] for i in range(rounds) for stage in per_source if i < len(stage)]
+    buckets = [dataclasses.replace(b, index=i) for i, b in enumerate(ordered)]
     return SyncPlan(buckets, tp_size, pp_size, bucket_bytes)
 
 
-def _planned_params(metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: int) -> list[PlannedParam]:
+def _planned_params(metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: int,
+                    ep_size: int = 1) -> list[PlannedParam]:
     """(mapping, HF specs) for every exported parameter, sorted into HF order (by global layer)."""
     order = {name: i for i, name in enumerate(weight_map.hf_names())}
     out = []
     for meta in metas:
         if weight_map.is_tied_copy(meta.name):
             continue
-        mapping = weight_map.lookup(meta.name, meta.layer_offset)
+        mapping = weight_map.lookup(meta.name, meta.layer_offset, meta.ep_rank * weight_map.local_experts(ep_size))
+        if meta.ep_rank and not mapping.expert:
+            raise PlanError(f"{meta.name} is reported by EP rank {meta.ep_rank}: only EP rank 0 reports"
+                            " parameters that are not routed-expert weights")
         out.append(PlannedParam(meta, mapping, _hf_specs(meta, mapping, weight_map, tp_size), offset=0))
     return sorted(out, key=lambda p: order[p.mapping.hf[0]])
 
@@ -186,7 +203,7 @@ def _check_complete(planned: Sequence[PlannedParam], weight_map: WeightMap) -> N
                         f" ({len(missing)} HF tensors); metadata from every pipeline stage is needed")
 
 
-def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_bytes: int) -> list[Bucket]:
+def _pack_stage(params: list[PlannedParam], source: tuple[int, int], tp_size: int, bucket_bytes: int) -> list[Bucket]:
     """Greedy packing in HF order; one open bucket per (dtype, sharded) kind."""
     closed: list[tuple[int, Bucket]] = []
     open_: dict[tuple[torch.dtype, bool], list[PlannedParam]] = {}
@@ -194,7 +211,7 @@ def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_b
 
     def close(key):
         members = open_.pop(key)
-        closed.append((order_of.pop(key), _bucket(members, pp_rank, key, tp_size)))
+        closed.append((order_of.pop(key), _bucket(members, source, key, tp_size)))
 
     for position, param in enumerate(params):
         sharded = param.mapping.tp_dim is not None and tp_size > 1
@@ -212,13 +229,13 @@ def _pack_stage(params: list[PlannedParam], pp_rank: int, tp_size: int, bucket_b
     return [b for _, b in closed]
 
 
-def _bucket(members: list[PlannedParam], pp_rank: int, key, tp_size: int) -> Bucket:
+def _bucket(members: list[PlannedParam], source: tuple[int, int], key, tp_size: int) -> Bucket:
     dtype, sharded = key
     placed, offset = [], 0
     for p in members:
         placed.append(PlannedParam(p.meta, p.mapping, p.hf, offset))
         offset += p.numel
-    return Bucket(0, pp_rank, dtype, sharded, tuple(placed), tp_size)
+    return Bucket(0, source[0], dtype, sharded, tuple(placed), tp_size, ep_rank=source[1])
 
 
 def _numel(shape) -> int:

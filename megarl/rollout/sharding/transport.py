@@ -105,11 +105,12 @@ def _qkv_to_hf(shards, dims, space) -> list[torch.Tensor]:
 
 
 def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: int,
-                   stage_ranks: Sequence[Sequence[int]], dest_ranks: Sequence[int], my_pp_rank: Optional[int],
-                   prefetch: int = 1) -> Iterator[tuple[Bucket, torch.Tensor]]:
+                   stage_ranks: dict[tuple[int, int], Sequence[int]], dest_ranks: Sequence[int],
+                   my_source: Optional[tuple[int, int]], prefetch: int = 1) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer) on rollout ranks.
 
-    `stage_ranks[pp][tp]` are global ranks, `my_pp_rank` this rank's stage (None: not a training rank).
+    `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
+    this rank's (pp, ep) (None: not a training rank).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
     generator is resumed.
     """
@@ -119,7 +120,7 @@ def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: in
     posted: deque = deque()
     to_post = iter(order) if my_rank in dest_ranks else iter(())
     for bucket in order:
-        if bucket.pp_rank == my_pp_rank:
+        if bucket.source == my_source:
             _send_bucket(bucket, local_params, my_rank, stage_ranks, dest_ranks, sends, send_slots)
         if my_rank in dest_ranks:
             while len(posted) <= prefetch and (nxt := next(to_post, None)) is not None:
@@ -147,7 +148,7 @@ class BufferRing:
 
 
 def _sources(bucket: Bucket, stage_ranks) -> list[int]:
-    stage = stage_ranks[bucket.pp_rank]
+    stage = stage_ranks[bucket.source]
     return list(stage) if bucket.sharded else [stage[0]]
 
 
