@@ -69,6 +69,12 @@ def test_context_parallel_layout_validates_on_gpu_runs(local):
     assert derived.role_dp["actor"] == 1  # 2 GPUs / (tp*pp*cp = 1*1*2)
 
 
+def test_derived_sizes_of_the_moe_dapo_config_with_engine_servers():
+    derived = derive(load_config(CONFIGS / "qwen3-30b-a3b_dapo_math.yaml"))
+    assert derived.pool_gpus == {"main": 16, "rollout": 8} and derived.rollout_engines == 2  # vLLM TP4 servers
+    assert derived.role_dp["actor"] == 8 and derived.updates_per_step["actor"] == 4
+
+
 def test_derived_sizes_of_the_70b_config():
     derived = derive(load_config(CONFIGS / "llama3-70b_ppo.yaml"))
     assert derived.role_world["actor"] == 64 and derived.role_dp["actor"] == 2  # TP8 x PP4
