@@ -69,7 +69,7 @@ class EngineServers:
 
         ro, res = cfg.rollout, cfg.resources
         self.pool, self.group, self.timeout_s = pool, actor_group, timeout_s
-        backend, kwargs = engine_spec(cfg, colocated=False)
+        backend, kwargs = engine_spec(cfg)
         slots = pool.slots()[::ro.tp]  # an engine's first GPU; its tp GPUs share a bundle (validated)
         options = [{**pool.actor_options(slot, num_gpus=float(ro.tp) if pool.use_gpu else 0.0),
                     "num_cpus": ro.tp * res.cpus_per_worker} for slot in slots]
