@@ -150,3 +150,23 @@ def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path
         for record in dump:
             groups.setdefault(record["uid"], set()).add(record["score"])
         assert len(dump) == 16 and len(groups) == 4 and all(len(s) > 1 for s in groups.values()), groups
+
+
+def test_ctrl_c_stops_the_run_and_names_the_checkpoint_a_rerun_continues_from(tiny_task, tmp_path):
+    """SIGINT to the run's process group (what a terminal's Ctrl-C sends) after the step-1 checkpoint."""
+    run = tmp_path / "interrupted"
+    args = overrides(tiny_task, run, "trainer.total_steps=200", "trainer.checkpoint_every_steps=1",
+                     "validation.before_train=false", "trainer.export_hf_at_end=false")
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(train_command("grpo_quickstart.yaml", args), cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
+        while not (run / "checkpoints/step_000001/driver_state.pt").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run did not reach its first checkpoint"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    out = (tmp_path / "log").read_text()
+    assert code == 130, out[-3000:]
+    assert "interrupted: stopping the workers" in out and "checkpoints/step_00000" in out
+    assert "Traceback" not in out
