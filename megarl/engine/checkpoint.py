@@ -2,7 +2,7 @@
 
 Owns: `save_checkpoint`, `load_checkpoint` and `export_hf`. Checkpoints go through megatron-core
 `dist_checkpointing` (torch_dist): the model's sharded state dict plus the distributed optimizer's
-`fully_reshardable` state, so a checkpoint written at one TP/PP/DP layout loads at another.
+`fully_reshardable` state, so a checkpoint written at one TP/PP/DP/EP layout loads at another.
 The RNG states are per rank and are restored only when the layout and world size are unchanged
 (a different layout has different ranks; the RNG matters only for dropout, which is 0 here).
 
@@ -33,7 +33,11 @@ from megarl.utils.atomic import check_target, publish_collective, shared_staging
 FORMAT_VERSION = 1
 # 'fully_reshardable' loads at any TP/PP/DP. (megatron-core 0.19.2's default, 'fully_sharded_model_space',
 # fails: it still passes `flattened_range`, which 0.19.2's ShardedTensor rejects.)
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# 'chained_optim_avoid_prefix' keys every optimizer tensor by its parameter alone. Without it a
+# MoE model's tensors are named 'chained_<i>.' after the megatron optimizer holding them, and that
+# depends on EP: at EP>1 megatron chains two distributed optimizers (dense parameters, then the
+# experts), at EP1 the experts are ordinary parameters of a single one. See `_regroup_optimizer_state`.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _model_state(engine) -> dict:
@@ -139,6 +143,50 @@ def _set_states_without_step(dist_opt, model_param, tensors):
             state["step"] = step
 
 
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _group_key(group: dict, *, with_ep: bool) -> tuple:
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(k) for k in param_group_identifier_keys if with_ep or k != "is_expert_parallel")
+
+
+def _saved_group(group: dict, saved_groups: list) -> dict:
+    """The saved param group that `group` (this optimizer's) continues: same identifier keys (lr, min_lr,
+    weight decay, ...), preferring the same `is_expert_parallel`. Raises KeyError when none matches."""
+    for with_ep in (True, False):
+        for saved in saved_groups:
+            if _group_key(saved, with_ep=with_ep) == _group_key(group, with_ep=with_ep):
+                return {**saved, "is_expert_parallel": group.get("is_expert_parallel")}
+    raise KeyError(_group_key(group, with_ep=True))
+
+
+def _regroup_optimizer_state(optimizer, loaded: dict):
+    """Give the loaded optimizer state this optimizer's structure, whatever EP it was saved at.
+
+    A chained optimizer's state is {0: dense, 1: experts}, a single one's is the dict itself; each
+    holds "optimizer" (param groups, saved by rank 0 into the common state) and "param_state" (the
+    tensors, loaded in *this* structure). dist_checkpointing merges the saved common state into the
+    loaded tensors key by key, so after an EP change the param groups sit in the saved structure and
+    the tensors in ours. Every param group of ours takes the saved group with the same identifier keys
+    (they differ between EP sizes only in `is_expert_parallel`; the values — lr, step — are shared).
+    """
+    parts = [loaded] + [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    saved = [part for part in parts if "optimizer" in part]
+    saved_groups = [group for part in saved for group in part["optimizer"]["param_groups"]]
+    subs = _sub_optimizers(optimizer)
+    states = {}
+    for i, sub in enumerate(subs):
+        here = loaded[i] if len(subs) > 1 else loaded
+        groups = [_saved_group(group, saved_groups) for group in sub.optimizer.param_groups]
+        states[i] = {**{k: v for k, v in saved[0].items() if not isinstance(k, int)},
+                     "optimizer": {**saved[0]["optimizer"], "param_groups": groups},
+                     "param_state": here["param_state"]}
+    return states if len(subs) > 1 else states[0]
+
+
 def _full_state(engine, *, loading: bool, with_rng: bool) -> dict:
     state = _model_state(engine)
     if engine.optimizer is not None:
@@ -179,7 +227,7 @@ def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
 
 
 def load_checkpoint(engine, path) -> dict:
-    """Restore a checkpoint written by `save_checkpoint`, at this engine's layout (any TP/PP/DP)."""
+    """Restore a checkpoint written by `save_checkpoint`, at this engine's layout (any TP/PP/DP/EP)."""
     from megatron.core import dist_checkpointing
 
     from megarl.models.convert import load_model_state
@@ -193,7 +241,7 @@ def load_checkpoint(engine, path) -> dict:
         load_model_state(engine.chunks, loaded)
         if engine.optimizer is not None:
             with _torch_adam_step_fix(engine.optimizer):
-                engine.optimizer.load_state_dict(loaded["optimizer"])
+                engine.optimizer.load_state_dict(_regroup_optimizer_state(engine.optimizer, loaded["optimizer"]))
             engine.scheduler.load_state_dict(loaded["scheduler"])
     except KeyError as err:  # megatron matches optimizer param groups by (lr, min_lr, weight decay, ...)
         raise CheckpointError(f"{path}: the optimizer's parameter groups do not match the checkpoint's ({err});"

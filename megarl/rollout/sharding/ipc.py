@@ -120,7 +120,7 @@ class MegarlWorkerExtension:
     def megarl_reload_by_ipc(self, address_template: str, authkey: bytes) -> int:
         """Receive buckets from the trainer on this worker's device until it sends None; load them in one reload."""
         rank = getattr(self, "local_rank", 0)
-        count = 0
+        count, names = 0, []
         with Client(address_template.format(rank=rank), family="AF_UNIX", authkey=authkey) as conn:
             def stream():
                 nonlocal count
@@ -130,6 +130,7 @@ class MegarlWorkerExtension:
                     offset = 0
                     for name, shape in layout:
                         numel = torch.Size(shape).numel()
+                        names.append(name)
                         yield name, flat[offset:offset + numel].view(shape)
                         offset += numel
                         count += 1
@@ -139,7 +140,8 @@ class MegarlWorkerExtension:
                     conn.send("ok")
 
             self.reload_weights(weights_iterator=stream())
-        from megarl.rollout.vllm_engine import repack_tied_lm_head
+        from megarl.rollout.vllm_engine import repack_cpu_moe_experts, repack_tied_lm_head
 
         repack_tied_lm_head(self)
+        repack_cpu_moe_experts(self, names)
         return count
