@@ -22,6 +22,7 @@ the EOS id there), so both backends and `transformers` agree on what ends a comp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -42,13 +43,16 @@ class VLLMEngine(RolloutEngine):
     travel as IPC buckets of `ipc_bucket_bytes`. None picks in-process unless this process is
     already in a torch.distributed world (a colocated training rank): vLLM's in-process start-up
     would then create groups on the training world (`new_group`), a collective the other training
-    ranks never join, and hang.
+    ranks never join, and hang. visible_devices: CUDA_VISIBLE_DEVICES of the processes vLLM starts
+    when not in process (a colocated GPU engine: the training rank's own GPUs). TP > 1 uses vLLM's
+    multiprocessing executor (never its Ray executor, which would ask for GPUs our pools hold).
     """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: Optional[int] = None,
                  seed: int = 0, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20,
-                 in_process: Optional[bool] = None, ipc_bucket_bytes: int = 256 << 20, **llm_kwargs):
+                 in_process: Optional[bool] = None, ipc_bucket_bytes: int = 256 << 20,
+                 visible_devices: Optional[str] = None, **llm_kwargs):
         super().__init__()
         import torch.distributed as dist
 
@@ -68,8 +72,11 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
             kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+        if tensor_parallel_size > 1:  # vLLM's own worker processes; never Ray's executor inside our placement groups
+            kwargs["distributed_executor_backend"] = "mp"
         kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+        with _child_visible_devices(None if self.in_process else visible_devices):
+            self.llm = LLM(**kwargs)
         self._expected = checkpoint_shapes(self.model_path)
         self._tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         atexit.register(self.shutdown)
@@ -161,6 +168,25 @@ def _completion(output, with_logprobs: bool) -> Completion:
     tokens = list(output.token_ids)
     logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, tokens)] if with_logprobs else None
     return Completion(tokens, logprobs, output.finish_reason or "length")
+
+
+@contextlib.contextmanager
+def _child_visible_devices(devices: Optional[str]):
+    """CUDA_VISIBLE_DEVICES of the processes vLLM spawns while starting (its engine core and TP
+    workers), so a colocated engine of a training rank uses that rank's GPUs: vLLM numbers devices
+    from 0. This process's CUDA context is already made; the variable is restored afterwards."""
+    if devices is None:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
 def _set_vllm_multiprocessing(enabled: bool) -> None:

@@ -96,6 +96,13 @@ class Cluster:
         """The actor's weights into every engine; the engines' new policy versions."""
         return self.engines.sync_weights()
 
+    def sleep_engines(self) -> None:
+        """Colocated engines free their GPU memory (weights, KV cache) until `wake_engines`; servers keep it."""
+        self.engines.sleep()
+
+    def wake_engines(self) -> None:
+        self.engines.wake_up()
+
     def engine_versions(self) -> list[int]:
         return self.engines.versions()
 

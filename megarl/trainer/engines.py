@@ -75,6 +75,7 @@ class EngineServers:
                     "num_cpus": ro.tp * res.cpus_per_worker} for slot in slots]
         self.servers = launch_engine_servers(cfg.model.hf_path, len(slots), backend=backend, actor_options=options,
                                              env=env, **kwargs)
+        ray.get([server.version.remote() for server in self.servers])  # started (or their own error)
         self.group.add_role("rollout", RolloutSender, cfg)
         host, port = self.group.env[0]["MASTER_ADDR"], ray.get(self.group.workers[0].free_port.remote())
         weights_backend = "nccl" if pool.use_gpu else "gloo"

@@ -11,6 +11,7 @@ and at the end; `trainer.resume=auto` continues from the latest complete checkpo
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from dataclasses import replace
 from typing import Optional
@@ -68,6 +69,8 @@ class RLTrainer:
         """One RL step; returns its metrics."""
         timer = PhaseTimer()
         batch, stats = self.rollout(step, timer)  # generate → reward (repeated under DAPO dynamic sampling)
+        with timer("generate"):
+            self.cluster.sleep_engines()  # colocated engines give their GPU memory to the training phases
         with timer("old_log_probs"):
             batch = batch.union(self.cluster.forward("actor", "compute_log_probs", batch))
         with timer("ref_log_probs"):
@@ -79,12 +82,14 @@ class RLTrainer:
             stats.update(adv_stats)
         with timer("critic_update"):
             stats.update(self.update("critic", batch))
-        updated = step > self.cfg.algorithm.critic_warmup_steps
-        if updated:
+        if step > self.cfg.algorithm.critic_warmup_steps:
             with timer("actor_update"):
                 stats.update(self.update("actor", batch))
-        with timer("weight_sync"):
-            stats.update(self.refresh_engines(updated))
+            with timer("weight_sync"):
+                self.cluster.wake_engines()
+                stats["rollout/policy_version"] = float(max(v or 0 for v in self.cluster.sync_weights()))
+        else:  # critic warm-up: the engines keep the weights they slept with
+            self.cluster.wake_engines()
         if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
             self.log.dump_rollouts(step, rollout_records(batch))
         return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
@@ -94,33 +99,24 @@ class RLTrainer:
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict]:
         """The step's scored samples: one round of prompts, or with DAPO dynamic sampling
         (`algorithm.dapo.filter_groups`) rounds until `prompts_per_step` groups have reward variance."""
-        rounds = []
+        rounds, scores = itertools.count(), []
 
         def one_round() -> Batch:
-            rounds.append(len(rounds))
             with timer("generate"):
-                batch = self.generate(self.data.loader.next_batch().to_batch(), step, round_=rounds[-1])
+                batch = self.generate(self.data.loader.next_batch().to_batch(), step, round_=next(rounds))
             with timer("reward"):
-                return self.reward(batch)
+                batch = self.reward(batch)
+            scores.append(batch["scores"])
+            return batch
 
-        dapo, stats = self.cfg.algorithm.dapo, {}
-        if dapo.filter_groups:
-            batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
-                                      score_key="scores")
-            stats["rollout/generation_rounds"] = float(n)
-        else:
-            batch = one_round()
-        with timer("generate"):
-            self.cluster.engines.sleep()  # colocated engines free their GPU memory for the training phases
-        return batch, stats
-
-    def refresh_engines(self, updated: bool) -> dict:
-        """Wake the engines (colocated: weights and KV cache back on the GPU) and, after an actor
-        update, push the new weights into them."""
-        self.cluster.engines.wake_up()
-        if not updated:
-            return {}
-        return {"rollout/policy_version": float(max(v or 0 for v in self.cluster.sync_weights()))}
+        dapo = self.cfg.algorithm.dapo
+        if not dapo.filter_groups:
+            return one_round(), {}
+        batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
+                                  score_key="scores")
+        # reward/* metrics describe the kept groups; these describe everything generated
+        return batch, {"rollout/generation_rounds": float(n),
+                       "rollout/score_before_filter": float(torch.cat(scores).mean())}
 
     def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0) -> Batch:
         """Completions of every prompt from the rollout engines, as the training batch (group ids

@@ -15,6 +15,7 @@ Imports vLLM, megatron and torch.distributed only inside the worker processes (l
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from megarl.trainer.worker import _LOCAL, _resident, local_role, on_device
@@ -70,6 +71,11 @@ class RolloutWorker:
         self.engine = None
         if self.rank in hosts:
             backend, kwargs = engine_spec(cfg)
+            if backend == "vllm" and cfg.resources.accelerator == "gpu":
+                # In a training rank, vLLM's in-process executor always takes cuda:0 of the node (its
+                # device index comes from no argument), so on GPUs its core runs in a child that sees
+                # exactly this rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
+                kwargs.update(in_process=False, visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         _LOCAL["rollout"] = self
@@ -105,6 +111,14 @@ class RolloutWorker:
     def wake_up(self) -> None:
         if self.engine is not None:
             self.engine.wake_up()
+
+
+def _rank_gpus(count: int) -> str:
+    """This rank's GPU and the next `count - 1` of its node, as CUDA_VISIBLE_DEVICES ids (the worker
+    host lists its node's GPUs in local-rank order; `rollout.tp` divides the GPUs per node)."""
+    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return ",".join(visible[local:local + count])
 
 
 class RolloutSender:

@@ -68,18 +68,25 @@ def train(cfg, derived) -> list[dict]:
     try:
         return RLTrainer(cfg, derived, cluster, data).fit()
     except KeyboardInterrupt:
-        _report_interrupt(cfg.trainer.run_dir)
+        _report_interrupt(cfg.trainer.resume, cfg.trainer.run_dir)
         raise
     finally:
         cluster.shutdown()
         data.rewards.close()
 
 
-def _report_interrupt(run_dir: str) -> None:
-    """Ctrl-C / SIGINT: say what is kept before the workers are stopped (a second Ctrl-C exits at once)."""
+def _report_interrupt(resume: str, run_dir: str) -> None:
+    """Ctrl-C / SIGINT: say what a rerun does before the workers are stopped (a second Ctrl-C exits at once)."""
     from megarl.trainer.state import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
-    where = f"the latest complete checkpoint, {latest}" if latest else "the start (no checkpoint was completed)"
-    print(f"\n[megarl] interrupted: stopping the workers. Rerun the same command to continue from {where}.",
+    if resume == "never":
+        rerun = "starts over (trainer.resume=never); set trainer.resume=auto to continue"
+    elif resume != "auto":
+        rerun = f"loads {resume} again (trainer.resume); set trainer.resume=auto to continue from the latest"
+    elif latest:
+        rerun = f"continues from the latest complete checkpoint, {latest}"
+    else:
+        rerun = "starts from the beginning (no checkpoint was completed)"
+    print(f"\n[megarl] interrupted: stopping the workers. Rerunning the same command {rerun}.",
           file=sys.stderr, flush=True)

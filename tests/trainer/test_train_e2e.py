@@ -144,6 +144,7 @@ def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path
     # the server samples with exactly the weights the actor recomputes log-probs with
     assert all(r["rollout/mismatch_abs_max"] < 1e-4 for r in rows), [r["rollout/mismatch_abs_max"] for r in rows]
     assert all(torch.isfinite(torch.tensor(r["actor/loss"])) for r in rows)
+    assert all(0 <= r["rollout/score_before_filter"] <= 1 and r["rollout/generation_rounds"] >= 1 for r in rows)
     for step in (1, 2):
         dump = [json.loads(line) for line in (tmp_path / f"server/rollouts/step_00000{step}.jsonl").read_text().splitlines()]
         groups: dict = {}

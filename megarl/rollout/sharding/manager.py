@@ -186,8 +186,8 @@ class ShardingManager:
         try:
             check()
             message = None
-        except WeightUpdateError as err:
-            message = str(err)
+        except Exception as err:  # noqa: BLE001 - any failure must reach every rank, or the others wait forever
+            message = str(err) if isinstance(err, WeightUpdateError) else f"{type(err).__name__}: {err}"
         messages = [None] * dist.get_world_size(self.groups.mp_group)
         dist.all_gather_object(messages, message, group=self.groups.mp_group)
         failed = [m for m in messages if m]
