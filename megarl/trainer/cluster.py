@@ -39,11 +39,12 @@ class Cluster:
     def __init__(self, cfg, derived):
         self.cfg, self.derived = cfg, derived
         pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
-        plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}
-        env = worker_env(max(1, int(cfg.resources.cpus_per_worker)))
+        plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}  # engines: self.engines
+        threads = max(1, int(cfg.resources.cpus_per_worker))
+        env = worker_env(threads)
         self.groups: dict[str, WorkerGroup] = {}
         for name in sorted((n for n in plan if plan[n]), key=lambda n: n != cfg.actor.pool):
-            self.groups[name] = self._worker_group(pools[name], env)
+            self.groups[name] = self._worker_group(pools[name], env, threads)
         self.meshes = {role: role_mesh(cfg, role, derived) for role in derived.roles}
         for name, roles in plan.items():  # build order: actor, ref, critic, reward model
             for i, role in enumerate(roles):
@@ -53,11 +54,9 @@ class Cluster:
         else:
             self.engines = ColocatedEngines(cfg, self.actor_group)
 
-    def _worker_group(self, pool, env: dict) -> WorkerGroup:
-        res = self.cfg.resources
+    def _worker_group(self, pool, env: dict, threads: int) -> WorkerGroup:
         group = WorkerGroup(pool, name=pool.name, env=env)
-        group.add_role("process", ProcessSetup, res.accelerator, self.cfg.trainer.seed,
-                       max(1, int(res.cpus_per_worker)))
+        group.add_role("process", ProcessSetup, self.cfg.resources.accelerator, self.cfg.trainer.seed, threads)
         return group
 
     @property
