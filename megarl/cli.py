@@ -11,6 +11,7 @@ import sys
 
 from megarl.models.layout import ParallelLayout
 from megarl.utils.distributed import RankError
+from megarl.utils.interrupts import GracefulStop, SigintRearmed, exit_code
 
 _USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -131,11 +132,17 @@ def _run_train(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config}
-    handler = handlers[args.command]
+    # Ctrl-C works even where SIGINT was inherited ignored (`cmd &` in a script); `train` stops
+    # gracefully on the first SIGINT/SIGTERM and at once on a second one
+    with GracefulStop() if args.command == "train" else SigintRearmed():
+        return _run(handlers[args.command], args)
+
+
+def _run(handler, args) -> int:
     try:
         return handler(args)
-    except KeyboardInterrupt:
-        return 130  # the conventional status of a run stopped by SIGINT
+    except KeyboardInterrupt as err:
+        return exit_code(err)  # 130 for SIGINT, 143 for SIGTERM
     except _USER_ERRORS as err:
         print(f"megarl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megarl.data.batch import Batch
+from megarl.utils.lifetime import RAY_SETUP_HOOK
 
 
 @dataclass
@@ -61,18 +62,34 @@ def train(cfg, derived) -> list[dict]:
 
     data = load_run_data(cfg)
     save_resolved(cfg, cfg.trainer.run_dir)
-    start = time.perf_counter()
-    init_ray(cfg, log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1")  # worker logs: Ray session dir
-    cluster = Cluster(cfg, derived)
-    print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
+    start, cluster, interrupted = time.perf_counter(), None, False
+    # a loaded machine can take over Ray's default 30 s to register the local raylet
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     try:
+        init_ray(cfg, log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1",  # worker logs: Ray session dir
+                 runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK})  # workers die with their raylet
+        cluster = Cluster(cfg, derived)
+        print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
         return RLTrainer(cfg, derived, cluster, data).fit()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM (megarl.utils.interrupts): say what a rerun does, stop everything
         _report_interrupt(cfg.trainer.resume, cfg.trainer.run_dir)
+        interrupted = True
         raise
     finally:
+        _stop(cluster, data, ray_too=interrupted)
+
+
+def _stop(cluster, data, ray_too: bool) -> None:
+    """Stop the workers and the reward pool; after an interrupt also Ray itself (the local Ray
+    processes, or this job's connection to a joined cluster) now, within the grace period, not at exit."""
+    if cluster is not None:
         cluster.shutdown()
-        data.rewards.close()
+    data.rewards.close()
+    if ray_too:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def _report_interrupt(resume: str, run_dir: str) -> None:

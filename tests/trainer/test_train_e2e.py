@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megarl.rollout import vllm_available
+from megarl.testing.processes import TAG_VAR, kill_tagged, wait_until_gone
 from megarl.trainer.metrics import read_metrics
 from train_helpers import HERE, REPO, overrides, run_train, train_command
 
@@ -153,21 +154,32 @@ def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path
         assert len(dump) == 16 and len(groups) == 4 and all(len(s) > 1 for s in groups.values()), groups
 
 
-def test_ctrl_c_stops_the_run_and_names_the_checkpoint_a_rerun_continues_from(tiny_task, tmp_path):
-    """SIGINT to the run's process group (what a terminal's Ctrl-C sends) after the step-1 checkpoint."""
-    run = tmp_path / "interrupted"
+@pytest.mark.parametrize("sigint", ["default", "inherited-ignored"])
+def test_ctrl_c_stops_the_run_and_names_the_checkpoint_a_rerun_continues_from(tiny_task, tmp_path, sigint):
+    """SIGINT to the run's process group (what a terminal's Ctrl-C sends) after the step-1 checkpoint, with
+    SIGINT at its default and inherited ignored (`megarl train ... &` in a script): the run stops its
+    workers within 10 s, names the checkpoint, exits 130, and no process of the run is left."""
+    run, tag = tmp_path / "interrupted", f"ctrl-c-{sigint}-{os.getpid()}"
     args = overrides(tiny_task, run, "trainer.total_steps=200", "trainer.checkpoint_every_steps=1",
                      "validation.before_train=false", "trainer.export_hf_at_end=false")
+    ignore = sigint == "inherited-ignored"
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(train_command("grpo_quickstart.yaml", args), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 300
+                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TAG_VAR: tag},
+                                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None)
+        deadline = time.time() + 400
         while not (run / "checkpoints/step_000001/driver_state.pt").exists():
             assert proc.poll() is None and time.time() < deadline, "the run did not reach its first checkpoint"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)
+        start = time.perf_counter()
         code = proc.wait(timeout=60)
+        seconds = time.perf_counter() - start
     out = (tmp_path / "log").read_text()
+    left = wait_until_gone(tag, timeout_s=30)
+    kill_tagged(tag)
+    print(f"Ctrl-C ({sigint}): exited {code} after {seconds:.1f} s")
     assert code == 130, out[-3000:]
     assert "interrupted: stopping the workers" in out and "checkpoints/step_00000" in out
-    assert "Traceback" not in out
+    assert "Traceback" not in out and seconds < 10, (seconds, out[-3000:])
+    assert not left, f"processes of the run outlived it: {left}"
