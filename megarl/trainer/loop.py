@@ -206,10 +206,12 @@ class RLTrainer:
         state.prune_checkpoints(self.cfg.trainer.run_dir, self.cfg.trainer.keep_checkpoints)
 
     def resume(self) -> int:
-        """Load the checkpoint trainer.resume points at (if any) and push its weights to the engines."""
-        directory = state.resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.run_dir)
-        if directory is None:
-            return 0
+        """Continue from the checkpoint trainer.resume points at, if any (a damaged one falls back to the
+        previous intact one: `state.resume_from`); the step resumed at."""
+        return state.resume_from(self.cfg.trainer.resume, self.cfg.trainer.run_dir, self.load_checkpoint)
+
+    def load_checkpoint(self, directory: Path) -> int:
+        """Load a checkpoint into the workers and the driver and push its weights to the engines."""
         for role in ("actor", "critic"):
             if self.cluster.has(role):
                 self.cluster.call(role, "load_checkpoint", str(directory / role))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,6 +24,7 @@ import torch
 
 from megarl.algorithms import mismatch_metrics
 from megarl.data.batch import Batch
+from megarl.utils.faults import hold
 
 GENERATION_PHASES = ("generate",)
 WORKER_PHASES = ("old_log_probs", "ref_log_probs", "values", "critic_update", "actor_update", "weight_sync")
@@ -235,17 +238,43 @@ def _postfix(metrics: dict) -> dict:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop lines of steps after `step` (written by a run that was killed before its next checkpoint)."""
+    """Drop lines of steps after `step` (written by a run that was killed before its next checkpoint)
+    and lines that do not parse (a run killed mid-write leaves a torn last line), with a warning.
+    The file is replaced atomically: a kill during the rewrite leaves the old file or the new one."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in kept))
+    rows = _parsed_lines(path, warn=True)
+    kept = [line for line, row in rows if row["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    hold("metrics.rewrite")
+    os.replace(tmp, path)
+
+
+def _parsed_lines(path: Path, warn: bool = False) -> list[tuple[str, dict]]:
+    """(line, row) of every line of a metrics JSONL that parses to a row with a step; others skipped."""
+    rows = []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            int(row["step"])
+        except (ValueError, KeyError, TypeError) as err:
+            if warn:
+                where = "its last line" if number == len(lines) else f"line {number}"
+                print(f"[megarl] warning: {path} {where} does not parse ({type(err).__name__}: {err}; a run killed"
+                      " while writing it); dropped", file=sys.stderr, flush=True)
+            continue
+        rows.append((line, row))
+    return rows
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics JSONL (lines that do not parse, e.g. a torn last line, are skipped)."""
     path = Path(path)
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    return [row for _, row in _parsed_lines(path)] if path.is_file() else []
 
 
 def validation_summary(rows: list[dict]) -> Optional[tuple[tuple[int, float, float], tuple[int, float, float]]]:

@@ -94,9 +94,9 @@ def _stop(cluster, data, ray_too: bool) -> None:
 
 def _report_interrupt(resume: str, run_dir: str) -> None:
     """Ctrl-C / SIGINT: say what a rerun does before the workers are stopped (a second Ctrl-C exits at once)."""
-    from megarl.trainer.state import latest_checkpoint
+    from megarl.trainer.state import plan_resume
 
-    latest = latest_checkpoint(run_dir)
+    latest = plan_resume("auto", run_dir).directory
     if resume == "never":
         rerun = "starts over (trainer.resume=never); set trainer.resume=auto to continue"
     elif resume != "auto":

@@ -41,7 +41,7 @@ def test_only_checkpoints_with_driver_state_count_and_pruning_keeps_the_newest(t
     assert state.latest_checkpoint(tmp_path) == state.step_dir(tmp_path, 6)
     assert state.resolve_resume("auto", tmp_path) == state.step_dir(tmp_path, 6)
     assert state.resolve_resume("never", tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(state.ResumeError, match="not a complete checkpoint"):
         state.resolve_resume(str(state.step_dir(tmp_path, 8)), tmp_path)
     assert state.prune_checkpoints(tmp_path, keep=2) == [state.step_dir(tmp_path, 2)]
     assert state.load_driver_state(state.step_dir(tmp_path, 6)).loader == {"epoch": 0, "position": 6}

@@ -1,0 +1,38 @@
+"""Fault injection: named points of the driver where the fault-soak harness can freeze a run to kill it.
+
+Some moments of a run last milliseconds (renaming checkpoints for pruning, rewriting
+metrics.jsonl, writing the driver state), so a kill at a random time would almost never land in
+them. `hold(point)` is a no-op unless $MEGARL_FAULT_HOLD is `point` (or `point@n`: its n-th
+occurrence in this process, 1-based); then it writes the point's name to $MEGARL_FAULT_HOLD_FILE
+and sleeps until the harness kills the run (at most $MEGARL_FAULT_HOLD_S seconds, default 300).
+
+Points: `checkpoint.driver_state` (engine checkpoints and manifest written, driver state not yet),
+`prune` (old checkpoints renamed, not yet deleted), `metrics.rewrite` (truncated metrics.jsonl
+written to its temp file, not yet renamed over the old one). Standard library only.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+POINTS = ("checkpoint.driver_state", "prune", "metrics.rewrite")
+_seen: Counter = Counter()
+
+
+def hold(point: str) -> None:
+    """Freeze here when $MEGARL_FAULT_HOLD names this point (see the module docstring)."""
+    wanted = os.environ.get("MEGARL_FAULT_HOLD")
+    if not wanted:
+        return
+    name, _, nth = wanted.partition("@")
+    if name != point:
+        return
+    _seen[point] += 1
+    if _seen[point] != int(nth or 1):
+        return
+    announce = os.environ.get("MEGARL_FAULT_HOLD_FILE")
+    if announce:
+        with open(announce, "w") as f:
+            f.write(point)
+    time.sleep(float(os.environ.get("MEGARL_FAULT_HOLD_S", "300")))
