@@ -129,8 +129,20 @@ def _run_train(args) -> int:
     return 0
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """Like `parse_args`, but dotted overrides may also follow options (`config f.yaml --validate-only a.b=1`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config}
     # Ctrl-C works even where SIGINT was inherited ignored (`cmd &` in a script); `train` stops
     # gracefully on the first SIGINT/SIGTERM and at once on a second one

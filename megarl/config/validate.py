@@ -345,9 +345,12 @@ def _file_columns(path: str) -> Optional[list[str]]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return list(pq.read_schema(path).names)
+        try:
+            return list(pq.read_schema(path).names)
+        except Exception:  # noqa: BLE001 -- not parquet: the dataset reports the file
+            return None
     if path.endswith(".jsonl"):
-        with open(path) as f:
+        with open(path, errors="replace") as f:  # not UTF-8: the dataset reports the line
             first = next((line for line in f if line.strip()), None)
         try:
             row = json.loads(first) if first else None

@@ -84,16 +84,22 @@ def load_rows(path: str, split: str = "train") -> tuple[list[dict], list[str]]:
 
 
 def _load_parquet(path: str) -> tuple[list[dict], list[str]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e}); rewrite it, or give it the extension of"
+                         " its real format (.jsonl / .json)") from e
     return table.to_pylist(), table.column_names
 
 
 def _load_jsonl(path: str) -> tuple[list[dict], list[str]]:
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(raw, f"{path} line {lineno}")
             if not line.strip():
                 continue
             try:
@@ -107,8 +113,12 @@ def _load_jsonl(path: str) -> tuple[list[dict], list[str]]:
 
 
 def _load_json(path: str) -> tuple[list[dict], list[str]]:
-    with open(path) as f:
-        data = json.load(f)
+    with open(path, "rb") as f:
+        text = _utf8(f.read(), path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {len(v) for v in data.values()}
         if len(lengths) != 1:
@@ -117,6 +127,14 @@ def _load_json(path: str) -> tuple[list[dict], list[str]]:
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"{path}: JSON must be a list of row objects or an object of equal-length column lists")
     return data, list(data[0]) if data else []
+
+
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start} of that"
+                         f" {'line' if 'line' in where else 'file'}); re-encode the file as UTF-8") from None
 
 
 def _load_hf_dir(path: str, split: str) -> tuple[list[dict], list[str]]:

@@ -64,8 +64,18 @@ def plan_hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout, *, dtype: Opti
     dims = describe_hf_config(hf_config)
     layout.check_dims(dims)
     HFCheckpointReader(hf_path)  # raises on missing / corrupt index or weight files
+    _check_distinct(hf_path, mcore_path, "--hf-path", "--mcore-path")
     check_target(mcore_path, overwrite)
     return ConversionPlan(str(hf_path), str(mcore_path), layout, _dtype_name(hf_config, dtype), overwrite)
+
+
+def _check_distinct(src, dst, src_flag: str, dst_flag: str) -> None:
+    """The target must not be the source or hold it (or sit inside it): --overwrite would replace the source."""
+    src_abs, dst_abs = Path(src).resolve(), Path(dst).resolve()
+    if src_abs == dst_abs or src_abs in dst_abs.parents or dst_abs in src_abs.parents:
+        relation = "is" if src_abs == dst_abs else "overlaps"
+        raise ValueError(f"{dst_flag} {dst} {relation} the source {src_flag} {src}: writing the result there would"
+                         f" replace the weights being converted; pick another {dst_flag}")
 
 
 def read_metadata(mcore_path) -> dict:
@@ -89,6 +99,7 @@ def plan_mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayou
     hf_config = load_hf_config(Path(mcore_path) / "hf")
     dims = describe_hf_config(hf_config)
     layout.check_dims(dims)
+    _check_distinct(mcore_path, hf_path, "--mcore-path", "--hf-path")
     check_target(hf_path, overwrite)
     return ConversionPlan(str(mcore_path), str(hf_path), layout, meta["dtype"], overwrite)
 

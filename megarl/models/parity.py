@@ -89,6 +89,7 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
     from megarl.models.hf_config import describe_hf_config, load_hf_config
     from megarl.utils.distributed import run_distributed
 
+    _check_sizes(batch=batch, seq=seq, atol=atol)
     all_dims = [describe_hf_config(load_hf_config(p)) for p in hf_paths]
     for dims in all_dims:  # fail here, not in the spawned ranks
         layout.check_dims(dims)
@@ -101,6 +102,15 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
         reference = hf_logits(hf_path, tokens)
         results.append(ParityResult((ours - reference).abs().max().item(), atol, layout, tuple(reference.shape)))
     return results
+
+
+def _check_sizes(*, batch: int, seq: int, atol: float) -> None:
+    for flag, value in (("--batch", batch), ("--seq-len", seq)):
+        if value < 1:
+            raise ValueError(f"{flag}={value}: the parity check needs at least one token per sequence and one"
+                             f" sequence; pass {flag} >= 1")
+    if not atol >= 0:
+        raise ValueError(f"--atol={atol} must be >= 0")
 
 
 def check_parity(hf_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> ParityResult:

@@ -1,8 +1,14 @@
 """`train(cfg)`: check everything cheap first, then start Ray, the workers and the loop.
 
-Order matters for users: the config is validated (sizes, layouts, names, files) and the prompt
-data is loaded and tokenised (malformed rows, prompts over the limit) *before* `ray.init`, so a
-bad run fails in seconds naming the field, and nothing already in the run directory is touched.
+Order matters for users: the config is validated (sizes, layouts, names, files), the prompt
+data is loaded and tokenised (malformed rows, prompts over the limit) and the pre-flight checks
+run (`megarl.trainer.preflight`: run_dir writable, weights readable, GPUs present, the resume
+target intact, every data_source rewarded) *before* `ray.init` and before config.yaml is written,
+so a bad run fails in seconds naming the field, and nothing already in the run directory is touched.
+
+Stopping: the first Ctrl-C / SIGTERM (`megarl.utils.interrupts`) says which checkpoint a rerun
+continues from and stops the workers and Ray; worker processes die with their raylet, children
+included (`megarl.utils.lifetime`, installed as Ray's worker setup hook).
 """
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megarl.data.batch import Batch
+from megarl.trainer.preflight import preflight
 from megarl.utils.lifetime import RAY_SETUP_HOOK
 
 
@@ -61,6 +69,9 @@ def train(cfg, derived) -> list[dict]:
     from megarl.trainer.loop import RLTrainer
 
     data = load_run_data(cfg)
+    plan = preflight(cfg, data)  # every local check passes before Ray starts or run_dir is written
+    if _already_complete(cfg, plan):
+        return []
     save_resolved(cfg, cfg.trainer.run_dir)
     start, cluster, interrupted = time.perf_counter(), None, False
     # a loaded machine can take over Ray's default 30 s to register the local raylet
@@ -77,6 +88,19 @@ def train(cfg, derived) -> list[dict]:
         raise
     finally:
         _stop(cluster, data, ray_too=interrupted)
+
+
+def _already_complete(cfg, plan) -> bool:
+    """The run reached trainer.total_steps and wrote its HF export: say so instead of redoing the export."""
+    from megarl.models.convert import MARKER
+
+    tr = cfg.trainer
+    exported = not tr.export_hf_at_end or (Path(tr.run_dir) / "hf" / MARKER).is_file()
+    if plan.step < tr.total_steps or not exported:
+        return False
+    print(f"[megarl] nothing to do: the run is complete at step {plan.step} = trainer.total_steps ({plan.directory});"
+          " raise trainer.total_steps to train further", flush=True)
+    return True
 
 
 def _stop(cluster, data, ray_too: bool) -> None:
