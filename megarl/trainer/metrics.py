@@ -238,13 +238,16 @@ def _postfix(metrics: dict) -> dict:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop lines of steps after `step` (written by a run that was killed before its next checkpoint)
-    and lines that do not parse (a run killed mid-write leaves a torn last line), with a warning.
-    The file is replaced atomically: a kill during the rewrite leaves the old file or the new one."""
+    """Drop lines of steps after `step` (written by a run that was killed before its next checkpoint;
+    step 0, a run starting over: every line, its step-0 validation included) and lines that do not
+    parse (a run killed mid-write leaves a torn last line), with a warning. The file is replaced
+    atomically: a kill during the rewrite leaves the old file or the new one."""
     if not path.is_file():
         return
     rows = _parsed_lines(path, warn=True)
-    kept = [line for line, row in rows if row["step"] <= step]
+    kept = [line for line, row in rows if row["step"] <= step] if step > 0 else []
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed mid-rewrite
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(line + "\n" for line in kept))
     hold("metrics.rewrite")

@@ -293,7 +293,8 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     doomed = [path.with_name(f".{path.name}.deleting") for path in old]
     for path, hidden in zip(old, doomed):
         path.rename(hidden)
-    hold("prune")
+    if doomed:
+        hold("prune")
     for hidden in doomed:
         shutil.rmtree(hidden, ignore_errors=True)
     return old

@@ -115,3 +115,5 @@ def test_metrics_truncation_drops_a_torn_last_line_with_a_warning_and_replaces_t
     path.write_bytes(b'{"step": 0}\n\xff\xfe\n{"step": 1}\n')  # not UTF-8 in the middle
     _truncate_after(path, 5)
     assert [r["step"] for r in read_metrics(path)] == [0, 1] and "line 2 does not parse" in capsys.readouterr().err
+    _truncate_after(path, 0)  # starting over (no checkpoint): the old step-0 validation goes too
+    assert read_metrics(path) == [] and path.is_file()
