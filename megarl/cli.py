@@ -12,6 +12,7 @@ import sys
 from megarl.models.layout import ParallelLayout
 from megarl.utils.distributed import RankError
 from megarl.utils.interrupts import GracefulStop, SigintRearmed, exit_code
+from megarl.utils.lifetime import NodeLostError
 
 _USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -158,6 +159,9 @@ def _run(handler, args) -> int:
     except _USER_ERRORS as err:
         print(f"megarl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except NodeLostError as err:  # a Ray node died mid-run: which one, and what a rerun does
+        print(f"megarl {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except RankError as err:  # the rank's traceback only when asked for: the message names the problem
         detail = err.remote_traceback if os.environ.get("MEGARL_DEBUG") else f"{err.exc_type}: {err.remote_message}"
         print(f"megarl {args.command}: error on rank {err.rank}: {detail}", file=sys.stderr)

@@ -161,7 +161,10 @@ def where_it_landed(launch: Launch) -> str:
         return "start-up (workers not ready)"
     if not rows and "resumed from" not in launch.text():
         return "before step 1 (baseline validation)"
-    return f"in step {rows[-1]['step'] + 1 if rows else resumed_step(launch.text()) + 1} (or its checkpoint)"
+    last = rows[-1]["step"] if rows else resumed_step(launch.text())
+    if last >= TOTAL_STEPS:
+        return "after the last step (final validation, export)"
+    return f"in step {last + 1} (or its checkpoint)"
 
 
 def resumed_step(log: str) -> int:
@@ -220,7 +223,7 @@ DAMAGES = ("damaged_shard", "damaged_state", "unlisted_damage", "torn_metrics")
 
 def reachable(kind: str, prog: Progress) -> bool:
     steps_left = prog.remaining > 0
-    return {"checkpoint": steps_left, "driver_state": steps_left, "prune": prog.prunes > 0,
+    return {"checkpoint": steps_left, "driver_state": steps_left, "prune": prog.prunes > 0, "anytime": steps_left,
             "metrics_rewrite": prog.metrics, **{k: prog.checkpoints > 0 for k in DAMAGES}}.get(kind, True)
 
 
@@ -248,8 +251,8 @@ def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog:
         during = launch.saving if kind == "checkpoint" else launch.exporting
         if not launch.wait_for(lambda: bool(during())):
             return None
-        time.sleep(rng.uniform(0, 0.3))
-        return f"{kind}: {where_it_landed(launch)}"
+        time.sleep(rng.uniform(0, 0.1))
+        return where_it_landed(launch)
     if not launch.wait_for(lambda: workers_ready(launch)):
         return None
     ready, delay = time.monotonic(), rng.uniform(0, timing.train_s * max(prog.remaining, 0.5) / TOTAL_STEPS)

@@ -21,7 +21,7 @@ from typing import Optional
 
 from megarl.data.batch import Batch
 from megarl.trainer.preflight import preflight
-from megarl.utils.lifetime import RAY_SETUP_HOOK
+from megarl.utils.lifetime import RAY_SETUP_HOOK, NodeLostError
 
 
 @dataclass
@@ -73,7 +73,7 @@ def train(cfg, derived) -> list[dict]:
     if _already_complete(cfg, plan):
         return []
     save_resolved(cfg, cfg.trainer.run_dir)
-    start, cluster, interrupted = time.perf_counter(), None, False
+    start, cluster, nodes, interrupted = time.perf_counter(), None, {}, False
     # a loaded machine can take over Ray's default 30 s to register the local raylet
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     try:
@@ -81,10 +81,16 @@ def train(cfg, derived) -> list[dict]:
                  runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK})  # workers die with their raylet
         cluster = Cluster(cfg, derived)
         print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
+        nodes = _alive_nodes()
         return RLTrainer(cfg, derived, cluster, data).fit()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM (megarl.utils.interrupts): say what a rerun does, stop everything
         _report_interrupt(cfg.trainer.resume, cfg.trainer.run_dir)
         interrupted = True
+        raise
+    except Exception as err:
+        lost = _lost_nodes(nodes, err) if cluster is not None else []
+        if lost:
+            raise NodeLostError(_node_lost_message(lost, err, cfg.trainer.resume, cfg.trainer.run_dir)) from err
         raise
     finally:
         _stop(cluster, data, ray_too=interrupted)
@@ -101,6 +107,50 @@ def _already_complete(cfg, plan) -> bool:
     print(f"[megarl] nothing to do: the run is complete at step {plan.step} = trainer.total_steps ({plan.directory});"
           " raise trainer.total_steps to train further", flush=True)
     return True
+
+
+def _alive_nodes() -> dict[str, tuple[str, int]]:
+    """{node id: (address, raylet port)} of the Ray nodes alive now."""
+    import ray
+
+    return {n["NodeID"]: (n.get("NodeManagerAddress", "?"), int(n.get("NodeManagerPort", 0)))
+            for n in ray.nodes() if n.get("Alive")}
+
+
+def _lost_nodes(before: dict[str, tuple[str, int]], err: BaseException) -> list[tuple[str, str]]:
+    """The nodes of `before` that are gone: (id, address). Ray's own health checks take seconds to mark a
+    dead node, so a node also counts as lost when its raylet no longer accepts a connection."""
+    import ray
+
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 -- the head itself is gone: every node is lost to this run
+        alive = set()
+    return [(node, address) for node, (address, port) in before.items()
+            if node not in alive or not _accepts(address, port)]
+
+
+def _accepts(address: str, port: int, timeout_s: float = 3.0) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _node_lost_message(lost: list[tuple[str, str]], err: BaseException, resume: str, run_dir: str) -> str:
+    from megarl.trainer.state import plan_resume
+
+    nodes = ", ".join(f"{address} (node {node[:12]})" for node, address in lost)
+    cause = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    latest = plan_resume("auto", run_dir).directory if resume == "auto" else None
+    rerun = (f"continues from the latest complete checkpoint, {latest}" if latest else
+             "starts from the beginning (no checkpoint was completed)" if resume == "auto" else
+             f"loads trainer.resume={resume} again")
+    return (f"lost Ray node {nodes} during the run ({type(err).__name__}: {cause}). Once the cluster has its nodes"
+            f" back, rerunning the same command {rerun}")
 
 
 def _stop(cluster, data, ray_too: bool) -> None:

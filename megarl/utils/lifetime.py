@@ -8,7 +8,8 @@ reward pools) can be left behind. `die_with_parent()` starts a daemon thread in 
 notices the change of parent and kills the worker's children and process group.
 
 Installed in every worker of a run as Ray's `worker_process_setup_hook` (`RAY_SETUP_HOOK`, set by
-`megarl.trainer.run`). Imports psutil only.
+`megarl.trainer.run`). `NodeLostError` is what the driver raises when a Ray node of the run died
+(`megarl.trainer.run` turns the workers' death into it). Imports psutil only.
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ import time
 
 RAY_SETUP_HOOK = "megarl.utils.lifetime.die_with_parent"
 _started = False
+
+
+class NodeLostError(RuntimeError):
+    """A Ray node holding part of the run died mid-run; the message names it and how to continue."""
 
 
 def die_with_parent(poll_s: float = 0.5) -> None:
