@@ -35,12 +35,6 @@ fi
 pip_install() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored" >&2)
 }
-# The two-node test (tests/trainer/test_two_nodes.py) builds network namespaces with iproute2's `ip`.
-if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[setup] installing iproute2 (network namespaces of the two-node Ray test)"
-  { apt-get install -y -q iproute2 || { apt-get update -q && apt-get install -y -q iproute2; }; } >/dev/null \
-    || echo "[setup] WARNING: iproute2 not installed; the two-node test will be skipped"
-fi
 stamp="$VENV/.megarl-setup-$(cat requirements/*.txt setup.py scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   echo "[setup] environment up to date: $VENV"
