@@ -238,11 +238,11 @@ def hold_env(kind: str, prog: Progress, rng: random.Random, hold_file: Path) -> 
 def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog: Progress,
             hold_file: Path) -> Optional[str]:
     """Wait for the kind's moment (None: the run ended first) and say where the kill lands."""
-    if kind == "startup":
+    if kind == "startup":  # a random moment of the start-up, at the latest when the workers are ready
         delay = rng.uniform(0, timing.ready_s)
-        if not launch.wait_for(lambda: time.monotonic() - launch.start >= delay):
+        if not launch.wait_for(lambda: time.monotonic() - launch.start >= delay or workers_ready(launch)):
             return None
-        return f"{delay:.1f} s after launch: {where_it_landed(launch)}"
+        return f"{time.monotonic() - launch.start:.1f} s after launch: {where_it_landed(launch)}"
     if kind in HOLDS:
         if not launch.wait_for(hold_file.exists):
             return None
@@ -251,7 +251,7 @@ def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog:
         during = launch.saving if kind == "checkpoint" else launch.exporting
         if not launch.wait_for(lambda: bool(during())):
             return None
-        time.sleep(rng.uniform(0, 0.1))
+        time.sleep(rng.uniform(0, 0.05))
         return where_it_landed(launch)
     if not launch.wait_for(lambda: workers_ready(launch)):
         return None
@@ -315,6 +315,8 @@ class Kill:
 
     kind: str
     landed: str
+    chain: str = ""
+    """The run directory (chain) the kill happened in."""
     left: list = field(default_factory=list)
     """Processes of the run alive 30 s after the kill."""
     damage: str = ""
@@ -378,7 +380,8 @@ class Soak:
         chain, previous = 0, None
         while len(self.result.kills) < self.points and not self.result.errors:
             run_dir = self.root / f"chain_{chain}"
-            if progress(run_dir).complete:
+            if progress(run_dir).complete:  # a kill landed after the export, or the run ended by itself
+                self.complete_chain(run_dir, previous)
                 chain, previous = chain + 1, None
                 continue
             previous = self.kill_once(run_dir, previous)
@@ -398,7 +401,7 @@ class Soak:
             self.order.insert(0, kind)
             self.settle(previous, run, prog, final=True, left=run.finish()[1])
             return None
-        kill = Kill(kind, landed, run.kill())
+        kill = Kill(kind, landed, run_dir.name, run.kill())
         self.settle(previous, run, prog)
         if kind in DAMAGES:
             kill.damage = damage(kind, run_dir)
@@ -426,22 +429,33 @@ class Soak:
             same = [r["step"] for r in rows] == [r["step"] for r in self.reference]
             self.result.finals.append((run.run_dir.name, max_delta(rows, self.reference), same))
 
+    def complete_chain(self, run_dir: Path, previous: Optional[Kill]) -> None:
+        """A chain that is complete without a final launch: compare its whole metrics file."""
+        if previous is not None:
+            previous.resumed = "nothing left: the run was complete"
+        if all(name != run_dir.name for name, _, _ in self.result.finals):
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            same = [r["step"] for r in rows] == [r["step"] for r in self.reference]
+            self.result.finals.append((run_dir.name, max_delta(rows, self.reference), same))
+
     def finish_chain(self, run_dir: Path, previous: Optional[Kill]) -> None:
         prog = progress(run_dir)
-        if prog.complete and previous is None:
+        if prog.complete:
+            self.complete_chain(run_dir, previous)
             return
         run = self.launch(run_dir)
         self.settle(previous, run, prog, final=True, left=run.finish()[1])
 
 
 def table(result: SoakResult) -> str:
-    lines = ["| # | kill point | where it landed | damage after the kill | rerun resumed from | max abs diff | left over |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| # | run | kill point | where it landed | damage after the kill | rerun resumed from | max abs diff"
+             " | left over |", "|---|---|---|---|---|---|---|---|"]
     for i, k in enumerate(result.kills, 1):
         delta = "no rows" if k.delta is None else f"{k.delta:.3g}"
-        lines.append(f"| {i} | {k.kind} | {k.landed} | {k.damage or '-'} | {k.resumed} | {delta} | {len(k.left)} |")
+        lines.append(f"| {i} | {k.chain} | {k.kind} | {k.landed} | {k.damage or '-'} | {k.resumed} | {delta}"
+                     f" | {len(k.left)} |")
     for name, delta, same in result.finals:
-        lines.append(f"| final | {name} run to the end | - | - | - | {delta:.3g} over every step"
+        lines.append(f"| final | {name} | whole metrics.jsonl | - | - | - | {delta:.3g} over every step"
                      f"{'' if same else ' (STEPS DIFFER)'} | - |")
     return "\n".join(lines)
 
