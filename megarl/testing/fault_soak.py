@@ -91,7 +91,7 @@ class Launch:
         with open(log, "w") as out:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, env={**os.environ, TAG_VAR: self.tag, **self.env})
-        self.start = time.monotonic()
+        self.start, self.wall_start = time.monotonic(), time.time()
         self.leftovers = set(engine_saving(run_dir)) | set(exporting(run_dir))  # of earlier kills
 
     def saving(self) -> list[Path]:
@@ -153,7 +153,8 @@ def where_it_landed(launch: Launch) -> str:
     rows = [r for r in read_metrics(launch.run_dir / "metrics.jsonl") if "reward/score/mean" in r]
     if launch.exporting():
         return "mid-export"
-    if (launch.run_dir / "hf" / "megarl_checkpoint.json").is_file():
+    marker = launch.run_dir / "hf" / "megarl_checkpoint.json"
+    if marker.is_file() and marker.stat().st_mtime >= launch.wall_start:  # exported by this launch
         return "after the export (the run shutting down)"
     if launch.saving():
         return f"mid-checkpoint (engine save of step {rows[-1]['step'] if rows else '?'})"
