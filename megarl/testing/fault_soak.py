@@ -12,11 +12,11 @@ those the run cannot reach any more):
 
   startup          a random moment between launch and the first step
   anytime          a random moment of the training (a step, a checkpoint, validation, the export)
-  checkpoint       while an engine checkpoint is written (its staging directory exists)
-  driver_state     engine checkpoints and manifest written, driver state not yet   (hold point)
-  prune            old checkpoints renamed for deletion, not deleted yet          (hold point)
-  metrics_rewrite  a relaunched run rewriting metrics.jsonl                        (hold point)
-  export           while the final HF export is written
+  checkpoint       the actor's engine checkpoint written by every rank, not yet published  (hold)
+  driver_state     engine checkpoints and manifest written, driver state not yet            (hold)
+  prune            old checkpoints renamed for deletion, not deleted yet                   (hold)
+  metrics_rewrite  a relaunched run rewriting metrics.jsonl                                 (hold)
+  export           the final HF export written, not yet published                          (hold)
   damaged_shard    anytime, then a shard of the latest checkpoint is truncated
   damaged_state    anytime, then the latest checkpoint's driver_state.pt is emptied
   unlisted_damage  anytime, then the latest checkpoint loses its manifest and a shard is truncated
@@ -218,7 +218,8 @@ class Timing:
     train_s: float
 
 
-HOLDS = {"driver_state": "checkpoint.driver_state", "prune": "prune", "metrics_rewrite": "metrics.rewrite"}
+HOLDS = {"driver_state": "checkpoint.driver_state", "prune": "prune", "metrics_rewrite": "metrics.rewrite",
+         "checkpoint": "publish.actor", "export": "publish.hf"}
 DAMAGES = ("damaged_shard", "damaged_state", "unlisted_damage", "torn_metrics")
 
 
@@ -232,7 +233,8 @@ def hold_env(kind: str, prog: Progress, rng: random.Random, hold_file: Path) -> 
     """The fault-injection environment of a hold kind: which occurrence of its point freezes the run."""
     if kind not in HOLDS:
         return {}
-    nth = {"driver_state": prog.remaining, "prune": prog.prunes, "metrics_rewrite": 1}[kind]
+    nth = {"driver_state": prog.remaining, "checkpoint": prog.remaining, "prune": prog.prunes, "metrics_rewrite": 1,
+           "export": 1}[kind]
     return {"MEGARL_FAULT_HOLD": f"{HOLDS[kind]}@{rng.randint(1, nth)}", "MEGARL_FAULT_HOLD_FILE": str(hold_file)}
 
 
@@ -247,13 +249,7 @@ def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog:
     if kind in HOLDS:
         if not launch.wait_for(hold_file.exists):
             return None
-        return f"held at {launch.env['MEGARL_FAULT_HOLD']}"
-    if kind in ("checkpoint", "export"):
-        during = launch.saving if kind == "checkpoint" else launch.exporting
-        if not launch.wait_for(lambda: bool(during())):
-            return None
-        time.sleep(rng.uniform(0, 0.05))
-        return where_it_landed(launch)
+        return f"held at {launch.env['MEGARL_FAULT_HOLD']} ({where_it_landed(launch)})"
     if not launch.wait_for(lambda: workers_ready(launch)):
         return None
     ready, delay = time.monotonic(), rng.uniform(0, timing.train_s * max(prog.remaining, 0.5) / TOTAL_STEPS)
@@ -343,8 +339,11 @@ class SoakResult:
 
 class Soak:
     def __init__(self, root: Path, points: int, seed: int, log: Callable[[str], None] = print,
-                 task: Optional[dict] = None):
-        self.root, self.points, self.log = root, points, log
+                 task: Optional[dict] = None, kinds: tuple[str, ...] = KINDS):
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown or not kinds:
+            raise ValueError(f"kill kinds {unknown or kinds!r}: pick from {', '.join(KINDS)}")
+        self.root, self.points, self.log, self.kinds = root, points, log, tuple(kinds)
         self.rng, self.result = random.Random(seed), SoakResult(seed)
         self.task = task or make_task(root / "task")
         self.order: list[str] = []
@@ -368,9 +367,9 @@ class Soak:
         self.log(f"uninterrupted run: workers ready after {ready_s:.1f} s, trained in {self.timing.train_s:.1f} s")
 
     def next_kind(self, prog: Progress) -> str:
-        for _ in range(2 * len(KINDS)):
+        for _ in range(2 * len(self.kinds)):
             if not self.order:
-                self.order = self.rng.sample(KINDS, len(KINDS))
+                self.order = self.rng.sample(self.kinds, len(self.kinds))
             kind = self.order.pop(0)
             if reachable(kind, prog):
                 return kind
@@ -466,6 +465,7 @@ def main(argv=None) -> int:
     parser.add_argument("--points", type=int, default=20, help="kills (random moments) in all")
     parser.add_argument("--seed", type=int, default=None, help="seed of the draw (default: random, printed)")
     parser.add_argument("--root", default=None, help="working directory (default: a new one under /tmp)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated kill kinds (default: all: {', '.join(KINDS)})")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     import tempfile
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     print(f"fault soak: {args.points} points, seed {seed}, in {root}", flush=True)
     start = time.monotonic()
-    result = Soak(root, args.points, seed, log=lambda m: print(m, flush=True)).run()
+    result = Soak(root, args.points, seed, log=lambda m: print(m, flush=True), kinds=tuple(args.kinds.split(","))).run()
     print(table(result))
     for error in result.errors:
         print(f"ERROR: {error}")

@@ -21,6 +21,7 @@ from typing import Optional
 
 from megarl.data.batch import Batch
 from megarl.trainer.preflight import preflight
+from megarl.trainer.state import remove_leftovers
 from megarl.utils.lifetime import RAY_SETUP_HOOK, NodeLostError
 
 
@@ -73,6 +74,7 @@ def train(cfg, derived) -> list[dict]:
     if _already_complete(cfg, plan):
         return []
     save_resolved(cfg, cfg.trainer.run_dir)
+    remove_leftovers(cfg.trainer.run_dir)  # unpublished staging dirs and temp files of killed runs
     start, cluster, nodes, interrupted = time.perf_counter(), None, {}, False
     # a loaded machine can take over Ray's default 30 s to register the local raylet
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")

@@ -278,7 +278,22 @@ def _warn(message: str) -> None:
     print(f"[megarl] warning: {message}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- pruning
+# ----------------------------------------------------------------------------- pruning, leftovers
+
+
+def remove_leftovers(run_dir: str | Path) -> list[Path]:
+    """Delete what killed runs leave behind and nothing reads: staging directories of engine checkpoints
+    and HF exports that were never published, checkpoints half-way through pruning, temp files of
+    metrics.jsonl. Only for the one driver of the run, before it starts writing; the removed paths."""
+    run_dir = Path(run_dir)
+    found = [*run_dir.glob(".hf.incomplete-*"), *run_dir.glob(".metrics.jsonl.tmp-*"),
+             *checkpoints_dir(run_dir).glob(".step_*.deleting"), *checkpoints_dir(run_dir).glob("step_*/.*.incomplete-*")]
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from megarl.utils.faults import hold
+
 
 class TargetExistsError(FileExistsError):
     """The output directory already holds something and overwriting was not asked for."""
@@ -82,6 +84,7 @@ def publish_collective(staging: Path, target: Path, marker: str, meta: dict) -> 
 
     dist.barrier()
     if dist.get_rank() == 0:
+        hold(f"publish.{target.name}")  # fault soak: every rank has written, nothing is published yet
         (staging / marker).write_text(json.dumps(meta, indent=2))
         commit_directory(staging, target, marker)
     dist.barrier()

@@ -8,7 +8,10 @@ and sleeps until the harness kills the run (at most $MEGARL_FAULT_HOLD_S seconds
 
 Points: `checkpoint.driver_state` (engine checkpoints and manifest written, driver state not yet),
 `prune` (old checkpoints renamed, not yet deleted), `metrics.rewrite` (truncated metrics.jsonl
-written to its temp file, not yet renamed over the old one). Standard library only.
+written to its temp file, not yet renamed over the old one), and in the workers (the variables
+reach them through Ray) `publish.<dir>` (`megarl.utils.atomic.publish_collective`: every rank wrote
+its part of `<dir>` — `hf` for the final export, `actor`/`critic` for engine checkpoints — and the
+directory is not published yet). Standard library only.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import time
 from collections import Counter
 
-POINTS = ("checkpoint.driver_state", "prune", "metrics.rewrite")
+POINTS = ("checkpoint.driver_state", "prune", "metrics.rewrite", "publish.hf", "publish.actor", "publish.critic")
 _seen: Counter = Counter()
 
 

@@ -117,3 +117,14 @@ def test_metrics_truncation_drops_a_torn_last_line_with_a_warning_and_replaces_t
     assert [r["step"] for r in read_metrics(path)] == [0, 1] and "line 2 does not parse" in capsys.readouterr().err
     _truncate_after(path, 0)  # starting over (no checkpoint): the old step-0 validation goes too
     assert read_metrics(path) == [] and path.is_file()
+
+
+def test_leftovers_of_killed_runs_are_removed_and_checkpoints_kept(run):
+    leftovers = [run / ".hf.incomplete-1-2", state.step_dir(run, 3) / ".actor.incomplete-9-9",
+                 state.checkpoints_dir(run) / ".step_000001.deleting"]
+    for path in leftovers:
+        (path / "sub").mkdir(parents=True)
+    (run / ".metrics.jsonl.tmp-7").write_text("{}")
+    assert sorted(state.remove_leftovers(run)) == sorted([*leftovers, run / ".metrics.jsonl.tmp-7"])
+    assert not any(p.exists() for p in leftovers) and [s for s, _ in state.complete_checkpoints(run)] == [1, 2, 3]
+    assert state.checkpoint_problem(state.step_dir(run, 3)) is None
