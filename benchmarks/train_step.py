@@ -72,7 +72,7 @@ def _actor(hf_path, args):
     from megarl.engine.config import EngineConfig, OptimConfig
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.parallel import build_role_groups, init_global_state
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     layout = ParallelLayout(tp=args.tp)

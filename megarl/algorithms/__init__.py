@@ -4,6 +4,7 @@ aggregation, rollout/train mismatch correction and DAPO pieces.
 Each kind lives in a registry whose members share one signature:
 
     get_advantage_estimator(name)(inputs: AdvantageInputs, cfg: AdvantageConfig) -> (advantages, returns)
+        (estimator_needs(name): the optional inputs it reads — values, group_ids, baseline_rewards)
     get_policy_loss(name)(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation)
         -> (loss, stats)
     get_kl_estimator(name)(log_probs, ref_log_probs) -> kl [B, T]
@@ -13,8 +14,8 @@ Names may also be dotted paths "pkg.module:fn" to user functions. This package i
 torch and numpy: never megatron, vLLM or Ray (it must import on a CPU-only machine).
 """
 from megarl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs, get_advantage_estimator,
-    register_advantage_estimator,
+    ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS, AdvantageConfig, AdvantageInputs, estimator_needs,
+    get_advantage_estimator, register_advantage_estimator,
 )
 from megarl.algorithms.aggregation import (
     LOSS_AGGREGATIONS, LossAggregation, aggregate_loss, loss_denominators, register_loss_aggregation,

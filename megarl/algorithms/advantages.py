@@ -5,7 +5,12 @@ Every estimator has the same signature
     fn(inputs: AdvantageInputs, cfg: AdvantageConfig) -> (advantages [B, T], returns [B, T])
 
 so the trainer calls `get_advantage_estimator(cfg.estimator)(inputs, cfg)` and never special-cases
-one. Masked-out tokens (padding, tool output) are not steps of the policy: they carry no reward,
+one. Each estimator declares what it reads beyond the rewards and the mask
+(`@register_advantage_estimator("gae", needs=("values",))`; `estimator_needs(name)`): critic
+`values`, prompt `group_ids`, or the greedy `baseline_rewards`. Config validation checks those needs
+against the run (a critic exists, groups have more than one sample) before anything starts, and the
+trainer produces what is declared (e.g. the greedy baseline generation for ReMax). A user estimator
+loaded by dotted path declares its needs as a `needs` attribute of the function. Masked-out tokens (padding, tool output) are not steps of the policy: they carry no reward,
 value or discount, their values are never read (NaN there is harmless), and both outputs are 0 there.
 Groups (samples of one prompt) are given by a per-row id and need not be contiguous.
 
@@ -22,8 +27,27 @@ from megarl.algorithms.masked import (
 from megarl.utils.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("inputs", "cfg"))
-register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
+ESTIMATOR_NEEDS = ("values", "group_ids", "baseline_rewards")
+"""What an estimator may need beyond rewards and mask: the optional fields of `AdvantageInputs`."""
+
+
+def register_advantage_estimator(*names: str, needs: tuple[str, ...] = ()):
+    """Decorator: register an estimator under `names`, declaring the optional inputs it reads."""
+    unknown = [n for n in needs if n not in ESTIMATOR_NEEDS]
+    if unknown:
+        raise ValueError(f"advantage estimator needs {unknown} are unknown; declare some of {ESTIMATOR_NEEDS}")
+
+    def add(fn):
+        fn.needs = tuple(needs)
+        return ADVANTAGE_ESTIMATORS.register(*names)(fn)
+
+    return add
+
+
+def estimator_needs(name: str) -> tuple[str, ...]:
+    """The optional `AdvantageInputs` fields estimator `name` reads (its declared `needs`)."""
+    return tuple(getattr(get_advantage_estimator(name), "needs", ()))
 
 
 @dataclass
@@ -154,7 +178,7 @@ def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # Estimators
 # ---------------------------------------------------------------------------------------------
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=("values",))
 def gae(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """Generalised advantage estimation (Schulman et al. 2016).
 
@@ -187,7 +211,7 @@ def _grpo(inputs: AdvantageInputs, cfg: AdvantageConfig, std_norm: bool, name: s
     return advantages, advantages
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=("group_ids",))
 def grpo(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """GRPO (Shao et al. 2024): A_i = (s_i − mean_group(s)) / (std_group(s) + eps) on every token.
 
@@ -197,13 +221,13 @@ def grpo(inputs: AdvantageInputs, cfg: AdvantageConfig):
     return _grpo(inputs, cfg, cfg.grpo_std_norm, "grpo")
 
 
-@register_advantage_estimator("dr_grpo")
+@register_advantage_estimator("dr_grpo", needs=("group_ids",))
 def dr_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """Dr. GRPO (Liu et al. 2025): A_i = s_i − mean_group(s), no std normalisation."""
     return _grpo(inputs, cfg, False, "dr_grpo")
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=("group_ids",))
 def rloo(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """RLOO (Ahmadian et al. 2024): A_i = s_i − mean_{j≠i in group}(s_j) = n/(n−1)·(s_i − mean).
 
@@ -229,7 +253,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AdvantageConfig):
     return masked_whiten(returns, mask), returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs=("group_ids",))
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """REINFORCE++-baseline: A_i = s_i − mean_group(s) on every token, then whitened over the batch."""
     scores = sequence_scores(inputs)
@@ -240,7 +264,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AdvantageConfig):
     return masked_whiten(centered, inputs.response_mask), centered
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=("baseline_rewards",))
 def remax(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """ReMax (Li et al. 2024): A_t = Σ_{s≥t} r_s − b, b the greedy response's reward.
 

@@ -2,18 +2,21 @@
 
     schema.py    RunConfig and its sections (trainer, model, data, validation, actor, critic, ref,
                  reward_model, reward, rollout, algorithm, resources)
-    loader.py    load_config(files, overrides): defaults ← YAML (with `defaults:` chains) ← dotted
-                 overrides; unknown keys / wrong types fail naming the field; save_resolved, to_dict
+    loader.py    load_config(files, overrides), on OmegaConf: defaults (OmegaConf.structured of the
+                 dataclasses) ← YAML (with `defaults:` chains) ← dot-list overrides, then `${...}`
+                 interpolation (`${trainer.prompts_per_step}`, `${oc.env:VAR,default}`) resolved over
+                 all of them; unknown keys / wrong types / bad interpolations fail naming the field;
+                 save_resolved (values, never `${...}`), to_dict
     validate.py  derive(cfg) (the one place derived sizes are computed) and validate(cfg) (sizes that
                  do not divide, layouts vs heads, algorithm names, files, GPUs vs layouts)
 
 Typical use:
 
-    cfg = load_config("configs/grpo_quickstart.yaml", ["actor.optim.lr=1e-6"])
+    cfg = load_config("configs/grpo_quickstart.yaml", ["actor.optim.lr=1e-6", "critic.optim.lr=${actor.optim.lr}"])
     derived = validate(cfg)            # ConfigError naming the field and the fix
     save_resolved(cfg, cfg.trainer.run_dir)
 
-Imports torch (via megarl.algorithms) and PyYAML; never megatron, vLLM or Ray.
+Imports torch (via megarl.algorithms), OmegaConf and PyYAML; never megatron, vLLM or Ray.
 """
 from megarl.config.loader import (
     ConfigError, build, dump_yaml, field_docs, load_config, merge, parse_override, read_yaml_chain, save_resolved,

@@ -1,18 +1,24 @@
-"""Defaults in code ← YAML files ← command-line dotted overrides → a typed `RunConfig`, and back to YAML.
+"""Defaults in code ← YAML files ← command-line dot-list overrides, on OmegaConf → a typed `RunConfig`, and back.
 
 Owns: `load_config(files, overrides)`, `build(cls, values)` (a nested dict → dataclasses, checking
-every key and type), `to_dict`, `save_resolved(cfg, run_dir)` and `field_docs`.
+every key and type), `to_dict`, `dump_yaml`, `save_resolved(cfg, run_dir)` and `field_docs`.
 
-* A YAML file holds a nested mapping of overrides; `defaults: other.yaml` (or a list) names files
-  it extends, resolved relative to it; later files and keys win. Mappings merge key by key; lists
-  and scalars replace.
-* An override is `dotted.key=value` (`actor.optim.lr=1e-6`, `data.files=[a.parquet,b.parquet]`);
-  the value is read as YAML.
-* An unknown key fails with the closest valid name ("did you mean ..."); a value of the wrong type
-  fails naming the field and the expected type; a dataclass's own check (`__post_init__`) fails
+* The defaults are the dataclasses' own (`OmegaConf.structured(RunConfig)`), so `${...}` may refer to
+  a value nobody wrote.
+* A YAML file (read by OmegaConf) holds a nested mapping of overrides; `defaults: other.yaml` (or a
+  list) names files it extends, resolved relative to it; later files and keys win. Mappings merge key
+  by key; lists and scalars replace (`OmegaConf.merge` of untyped containers).
+* An override is OmegaConf dot-list syntax, `dotted.key=value` (`actor.optim.lr=1e-6`,
+  `data.files=[a.parquet,b.parquet]`, `rollout.max_model_len=null`, `ref.hf_path=${model.hf_path}`).
+* `${...}` interpolations (and resolvers such as `${oc.env:VAR,default}`) are resolved once, over
+  defaults + files + overrides; a bad one fails naming the field. A string an interpolation produced
+  for a number / bool / list field is read as YAML (`${oc.env:STEPS,100}` for an int works).
+* The resolved values of the keys the files and overrides set go through `build`, which keeps the
+  project's messages: an unknown key names the closest valid one ("did you mean ..."), a value of the
+  wrong type names the field and the expected type, a dataclass's own check (`__post_init__`) fails
   with the field's dotted path in front.
 
-Imports PyYAML and the standard library (plus the schema's imports); no megatron, vLLM or Ray.
+Imports OmegaConf, PyYAML and the standard library (plus the schema's imports); no megatron, vLLM or Ray.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import RunConfig
 
@@ -43,51 +51,183 @@ _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$",
 # ----------------------------------------------------------------------------- reading YAML and overrides
 
 
-def read_yaml_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
-    """The overrides of `path` merged over those of the files its `defaults:` names (recursively)."""
-    path = Path(path).resolve()
+def read_yaml_chain(path: str | os.PathLike) -> dict:
+    """The overrides of `path` merged over those of the files its `defaults:` names (recursively);
+    interpolations are kept as written (`load_config` resolves them once everything is merged)."""
+    return OmegaConf.to_container(_read_chain(Path(path)))
+
+
+def merge(base: Mapping, update: Mapping) -> dict:
+    """A copy of `base` with `update` merged in (`OmegaConf.merge`): mappings key by key, everything
+    else replaced; interpolations stay unresolved."""
+    tree = OmegaConf.create(dict(base))
+    _merge_into(tree, update)
+    return OmegaConf.to_container(tree)
+
+
+def parse_override(text: str) -> dict:
+    """`a.b.c=value` → {"a": {"b": {"c": value}}} (OmegaConf dot-list: the value read as YAML,
+    `null`, `[1, 2]`, `1e-6`, `${other.key}`)."""
+    tree = OmegaConf.create()
+    _apply_override(tree, text)
+    return OmegaConf.to_container(tree)
+
+
+def _read_chain(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
+    path = path.resolve()
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise ConfigError(f"config files include each other in a cycle: {chain}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    node = _load_yaml(path)
+    merged = OmegaConf.create()
+    for parent in _parents(node, path):
+        _merge_into(merged, _read_chain(path.parent / parent, (*_seen, path)))
+    _merge_into(merged, node)
+    return merged
+
+
+def _parents(node: DictConfig, path: Path) -> list[str]:
+    """The files `defaults:` names (removed from `node`)."""
+    parents = node.pop("defaults", None)
+    parents = OmegaConf.to_container(parents) if isinstance(parents, ListConfig) else parents
+    parents = [] if parents is None else [parents] if isinstance(parents, str) else parents
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: defaults must name a file or a list of files (relative to it), got {parents!r}")
+    return parents
+
+
+def _load_yaml(path: Path) -> DictConfig:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        node = OmegaConf.load(path)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config sections, got {type(data).__name__}")
-    parents = data.pop("defaults", None) or []
-    merged: dict = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
-        merged = merge(merged, read_yaml_chain(path.parent / parent, (*_seen, path)))
-    return merge(merged, data)
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, {}, f"{path}: ") from None
+    except OSError as err:  # OmegaConf refuses a file holding a bare number
+        raise ConfigError(f"{path} must hold a mapping of config sections ({err})") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping of config sections, got {type(node).__name__}")
+    return node
 
 
-def merge(base: Mapping, update: Mapping) -> dict:
-    """A copy of `base` with `update` merged in: mappings key by key, everything else replaced."""
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+def _merge_into(tree: DictConfig, update: Any) -> None:
+    try:
+        tree.merge_with(update)
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, update) from None
 
 
-def parse_override(text: str) -> dict:
-    """`a.b.c=value` → {"a": {"b": {"c": value}}}, the value read as YAML (`null`, `[1, 2]`, `1e-6`)."""
+def _apply_override(tree: DictConfig, text: str) -> None:
+    """Merge one dot-list override into `tree` (`OmegaConf.update` through `merge_with_dotlist`)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} must look like section.field=value (e.g. actor.optim.lr=1e-6)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        tree.merge_with_dotlist([f"{key}={raw}"])
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from None
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
+                          "quote an interpolation inside a list or mapping: ['${a.b}', c]") from None
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, {}, f"override {text!r}: ") from None
+
+
+# ----------------------------------------------------------------------------- interpolation
+
+
+def _resolve(values: dict, cls: type) -> dict:
+    """`values` with every `${...}` resolved over the defaults of `cls` merged with them; values without
+    `${` are returned as they are. `???` (OmegaConf's "mandatory") still left in a field is an error."""
+    missing = _mandatory(values)
+    if missing:
+        raise ConfigError(f"{missing} is ??? (mandatory): set it in a later config file or as an override {missing}=...")
+    if not _needs_resolving(values):
+        return values
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(_defaults(cls), values), resolve=True)
+    except OmegaConfBaseException as err:
+        known = [*_dotted(OmegaConf.to_container(_defaults(cls))), *_dotted(values)]
+        raise _omegaconf_error(err, values, known=known) from None
+
+
+def _mandatory(tree: Mapping, prefix: str = "") -> str | None:
+    """The dotted key of the first `???` value in `tree`, if any."""
+    for key, value in tree.items():
+        found = f"{prefix}{key}" if value == "???" else None
+        if isinstance(value, Mapping):
+            found = _mandatory(value, f"{prefix}{key}.")
+        if found:
+            return found
+    return None
+
+
+def _needs_resolving(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, dict):
+        return any(_needs_resolving(v) for v in value.values())
+    return isinstance(value, list) and any(_needs_resolving(v) for v in value)
+
+
+def _defaults(cls: type) -> DictConfig:
+    """Every default of dataclass `cls` (from `OmegaConf.structured`) as an untyped container, cached:
+    merged over it, the files' values are checked by `build`, not by OmegaConf's type rules."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cls)))
+    return _DEFAULTS[cls]
+
+
+_DEFAULTS: dict[type, DictConfig] = {}
+
+
+def _omegaconf_error(err: OmegaConfBaseException, tree: Any, where: str = "", known: Sequence[str] = ()) -> ConfigError:
+    """OmegaConf's error as a ConfigError naming the field, the interpolation written there and, for a
+    key that does not exist, the closest of the `known` dotted keys."""
+    key, first = getattr(err, "full_key", None), str(err).splitlines()[0]
+    missing = re.search(r"Interpolation key '([^']+)' not found", first)
+    close = difflib.get_close_matches(missing.group(1), known, n=1, cutoff=0.6) if missing else []
+    first += f"; did you mean ${{{close[0]}}}?" if close else ""
+    raw = _lookup(tree, key) if key else None
+    if isinstance(raw, str) and "${" in raw:
+        return ConfigError(f"{where}{key}: cannot resolve {raw!r}: {first}")
+    return ConfigError(f"{where}{key}: {first}" if key else f"{where}{first}")
+
+
+def _dotted(tree: Mapping, prefix: str = "") -> Iterable[str]:
+    for key, value in tree.items():
+        yield f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _dotted(value, f"{prefix}{key}.")
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    """The value at an OmegaConf full key (`a.b[0].c`) of nested dicts/lists; None if absent."""
+    for part in re.findall(r"[^.\[\]]+", key):
+        if isinstance(tree, Mapping) and part in tree:
+            tree = tree[part]
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return None
+    return tree
+
+
+class _Interpolated(str):
+    """A string an interpolation produced (`${oc.env:VAR}`); `build` reads it as YAML for a non-str field."""
+
+
+def _pick(raw: Any, resolved: Any) -> Any:
+    """The resolved values of exactly the keys `raw` (files + overrides) sets: untouched fields keep
+    the defaults their dataclasses compute, and unknown keys reach `build` (did you mean ...)."""
+    if isinstance(raw, dict) and isinstance(resolved, dict):
+        return {k: _pick(v, resolved[k]) for k, v in raw.items()}
+    if isinstance(raw, list) and isinstance(resolved, list) and len(raw) == len(resolved):
+        return [_pick(r, v) for r, v in zip(raw, resolved)]
+    if isinstance(raw, str) and "${" in raw and isinstance(resolved, str):
+        return _Interpolated(resolved)
+    return resolved
 
 
 # ----------------------------------------------------------------------------- dict → dataclasses
@@ -122,6 +262,8 @@ def _unknown_key(cls: type, path: str, key: str, names: list[str]) -> str:
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
     """`value` checked (and, for numbers written as strings or ints for floats, converted) to `hint`."""
+    if isinstance(value, _Interpolated):
+        return _coerce_interpolated(value, hint, path)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value
@@ -141,6 +283,21 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if origin in (dict, abc.Mapping):
         return _coerce_dict(value, args, path)
     return _coerce_scalar(value, hint, path)
+
+
+def _coerce_interpolated(value: _Interpolated, hint: Any, path: str) -> Any:
+    """An interpolated string read as YAML when that fits the field (`"100"` for an int), else as text."""
+    text = str(value)
+    try:
+        decoded = yaml.safe_load(text) if hint is not Any else text
+    except yaml.YAMLError:
+        decoded = text
+    if not isinstance(decoded, str):
+        try:
+            return _coerce(decoded, hint, path)
+        except ConfigError:
+            pass
+    return _coerce(text, hint, path)
 
 
 def _first_fit(value: Any, options: list, path: str) -> Any:
@@ -216,15 +373,17 @@ def _hints(cls: type) -> dict:
 
 def load_config(files: str | os.PathLike | Iterable[str | os.PathLike] = (), overrides: Sequence[str] = (),
                 cls: type = RunConfig) -> RunConfig:
-    """Defaults of `cls` ← each YAML file in order (with its `defaults:` chain) ← each dotted override."""
+    """Defaults of `cls` ← each YAML file in order (with its `defaults:` chain) ← each dot-list override,
+    interpolations resolved over all of them, then checked and typed by `build`."""
     if isinstance(files, (str, os.PathLike)):
         files = [files]
-    values: dict = {}
+    tree = OmegaConf.create()
     for file in files:
-        values = merge(values, read_yaml_chain(file))
+        _merge_into(tree, _read_chain(Path(file)))
     for text in overrides:
-        values = merge(values, parse_override(text))
-    return build(cls, values)
+        _apply_override(tree, text)
+    values = OmegaConf.to_container(tree)
+    return build(cls, _pick(values, _resolve(values, cls)))
 
 
 def to_dict(cfg: Any) -> dict:
@@ -244,7 +403,7 @@ def dump_yaml(cfg: Any, comments: bool = False) -> str:
     """The resolved config as YAML text, sections in schema order; `comments` puts each field's
     docstring above it (what `megarl config --explain` prints and `save_resolved` writes)."""
     if not comments:
-        return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
+        return yaml.safe_dump(_escape(to_dict(cfg)), sort_keys=False, default_flow_style=False, width=120)
     return "\n".join(_commented(cfg, 0)) + "\n"
 
 
@@ -257,9 +416,20 @@ def _commented(obj: Any, depth: int) -> list[str]:
         if dataclasses.is_dataclass(value):
             lines += [f"{pad}{f.name}:", *_commented(value, depth + 1)]
         else:
-            flow = yaml.safe_dump(_plain(value), default_flow_style=True, width=10_000).strip()
+            flow = yaml.safe_dump(_escape(_plain(value)), default_flow_style=True, width=10_000).strip()
             lines.append(f"{pad}{f.name}: {flow.removesuffix('...').strip()}")
     return lines
+
+
+def _escape(value: Any) -> Any:
+    """Plain values with a literal `${` written as `\\${`, so reading the YAML back does not interpolate it."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, dict):
+        return {k: _escape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape(v) for v in value]
+    return value
 
 
 def save_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.yaml") -> Path:

@@ -17,7 +17,6 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
-import torch
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import (
@@ -271,25 +270,26 @@ def _check_algorithm(cfg: RunConfig) -> None:
                           f" trainer.total_steps={cfg.trainer.total_steps}) or the actor never trains")
 
 
-def estimator_reads_values(name: str) -> bool:
-    """Whether an advantage estimator needs critic values: probed on a 1-token toy batch, no name list."""
-    from megarl.algorithms import AdvantageConfig, AdvantageInputs, get_advantage_estimator
+def _check_estimator_needs(cfg: RunConfig, derived: Derived) -> None:
+    """What the advantage estimator declares it reads, against the run (nothing is run to find out)."""
+    from megarl.algorithms import estimator_needs
 
-    inputs = AdvantageInputs(token_level_rewards=torch.ones(2, 1), response_mask=torch.ones(2, 1),
-                             group_ids=[0, 0], baseline_rewards=torch.zeros(2))
-    try:
-        get_advantage_estimator(name)(inputs, AdvantageConfig(estimator=name))
-    except ValueError as err:
-        return "AdvantageInputs.values" in str(err)
-    return False
-
-
-def _check_roles(cfg: RunConfig, derived: Derived) -> None:
     estimator = cfg.algorithm.advantage.estimator
-    if "critic" not in derived.roles and estimator_reads_values(estimator):
+    needs = estimator_needs(estimator)
+    if "values" in needs and "critic" not in derived.roles:
         raise ConfigError(f"algorithm.advantage.estimator={estimator!r} needs critic values but critic.enabled"
                           " is false; set critic.enabled=true (PPO) or pick an estimator without a critic"
                           " (grpo, rloo, reinforce_plus_plus, ...)")
+    if "group_ids" in needs and cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError(f"algorithm.advantage.estimator={estimator!r} compares the samples of each prompt, but"
+                          " rollout.samples_per_prompt=1 makes groups of one, whose advantages are all 0 (no"
+                          " signal); set rollout.samples_per_prompt >= 2, or pick an estimator without groups"
+                          " (reinforce_plus_plus, remax, or gae with a critic)")
+    # "baseline_rewards" (remax): the loop generates the greedy baseline itself (RLTrainer.baseline_scores)
+
+
+def _check_roles(cfg: RunConfig, derived: Derived) -> None:
+    _check_estimator_needs(cfg, derived)
     if kl_enabled(cfg) and "ref" not in derived.roles:
         raise ConfigError("a KL term is on (algorithm.kl_reward.coef or algorithm.kl_loss.coef > 0) but"
                           " ref.enabled=false; set ref.enabled=true (or null) or the KL coefs to 0")
@@ -436,5 +436,5 @@ def describe(derived: Derived) -> str:
             f"{derived.rollout_engines} rollout engine(s)")
 
 
-__all__ = ["Derived", "active_roles", "derive", "describe", "estimator_reads_values", "kl_enabled",
+__all__ = ["Derived", "active_roles", "derive", "describe", "kl_enabled",
            "pool_sizes", "resolve_max_model_len", "validate"]

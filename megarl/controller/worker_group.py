@@ -8,25 +8,35 @@ flagged: `add_role("actor", ActorWorker, cfg)` builds an `ActorWorker` in every 
 `add_role("critic", ...)` on the same group colocates the critic in the same processes (each role
 keeps its own process groups); a role on another pool gets its own `WorkerGroup`.
 
-Calls name the role and the method, `"actor.compute_log_probs"`; they return Ray futures:
+The driver calls a role through its typed handle, `RoleHandle` (what `megarl.controller.cluster`
+hands the loop as `cluster.actor`, `cluster.critic`, ...): `cluster.actor.compute_log_probs(batch)`
+runs `Actor.compute_log_probs` on the role's ranks as its `@remote` mark says
+(`megarl.utils.remote`: rows split over DP ranks and merged back, or every rank). Underneath, calls
+name the role and the method and return Ray futures:
 
-    refs = group.execute_all("actor.update", batch)          # every rank, same arguments
-    ref = group.execute_rank0("actor.save_checkpoint", path)
+    refs = group.execute_all("actor.save_checkpoint", path)  # every rank, same arguments
     call = group.dispatch("actor.compute_log_probs", batch, mesh)   # DP shards -> ranks
     log_probs = group.collect(call)                          # first TP rank, last PP stage, CP 0
 
+A host runs every call inside the role's `boundary()` when it has one (for engine roles: megatron's
+device mode and offload residency, `megarl.workers.base.EngineRole`).
 Imports Ray lazily (the module imports without it).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TypeVar, cast
 
 from megarl.controller.dispatch import DPSplit, RankMesh
 from megarl.controller.resource_pool import ResourcePool
 from megarl.data.batch import Batch
+from megarl.utils.remote import ALL, METRICS, ROWS, remote_methods
+
+R = TypeVar("R")
 
 
 class WorkerError(RuntimeError):
@@ -74,7 +84,10 @@ class WorkerHost:
         role, _, method = target.rpartition(".")
         if role not in self._roles:
             raise ValueError(f"{target!r}: no role {role!r} in this worker; roles: {list(self._roles)}")
-        return getattr(self._roles[role], method)(*args, **kwargs)
+        obj = self._roles[role]
+        boundary = getattr(obj, "boundary", contextlib.nullcontext)
+        with boundary():
+            return getattr(obj, method)(*args, **kwargs)
 
 
 @dataclass
@@ -205,6 +218,44 @@ class WorkerGroup:
             ray.kill(w)
         self.workers = []
         self.pool.remove()
+
+
+class RoleHandle:
+    """The driver's handle on one role of a worker group: the role class's `@remote` methods, each
+    called the way its mark says (see `megarl.utils.remote`). Build it with `role_handle`."""
+
+    def __init__(self, group: WorkerGroup, name: str, cls: type, mesh: RankMesh):
+        self.group, self.name, self.cls, self.mesh = group, name, cls, mesh
+        self.methods = remote_methods(cls)
+
+    def __getattr__(self, method: str):
+        if method.startswith("__") or "methods" not in self.__dict__:
+            raise AttributeError(method)
+        mode = self.methods.get(method)
+        if mode is None:
+            raise AttributeError(f"{self.cls.__name__}.{method} is not a remote method of role {self.name!r};"
+                                 f" remote methods: {sorted(self.methods)}")
+        return functools.update_wrapper(functools.partial(self._call, method, mode), getattr(self.cls, method))
+
+    def _call(self, method: str, mode: str, *args, **kwargs):
+        target, group = f"{self.name}.{method}", self.group
+        if mode == ALL:
+            return group.get(group.execute_all(target, *args, **kwargs))[0]
+        if len(args) != 1:
+            raise TypeError(f"{target} takes the batch as its only positional argument (keywords for the rest)")
+        call = group.dispatch(target, args[0], self.mesh, **kwargs)
+        if mode == ROWS:
+            return group.collect(call)
+        assert mode == METRICS
+        return group.get(call.refs)[self.mesh.collect_ranks()[0]]
+
+    def __repr__(self) -> str:
+        return f"RoleHandle({self.name!r}: {self.cls.__name__} on {self.mesh})"
+
+
+def role_handle(group: WorkerGroup, name: str, cls: type[R], mesh: RankMesh) -> R:
+    """A handle on role `name` (built from `cls` in `group`), typed as `cls` so editors follow its calls."""
+    return cast(R, RoleHandle(group, name, cls, mesh))
 
 
 def _put_once(args: tuple, kwargs: dict, ray) -> tuple[tuple, dict]:

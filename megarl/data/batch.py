@@ -1,6 +1,11 @@
 """The one batch type that crosses between roles: named tensors with a shared first dimension
 (rows), non-tensor columns (numpy arrays, same rows) and a free-form `meta` dict.
 
+A batch may carry a `Schema` (`megarl.data.schema`: the declared columns, their kinds and shapes);
+then every column written into it is checked against the schema, and batches derived from it
+(rows, selections, unions, concatenations, after pickling) keep it. The RL loop's batches carry
+`schema.ROLLOUT`; a batch without a schema takes any column (tests, tools, worker results).
+
 Operations return new batches that share tensor storage where they can (select, slicing, split);
 only `pop` and item assignment change a batch in place. Pickling turns each tensor into a numpy
 array over the same bytes, so pickle protocol 5 (Ray) ships them as out-of-band buffers without
@@ -12,6 +17,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+
+from megarl.data.schema import Schema
 
 Index = int | slice | torch.Tensor | np.ndarray | Sequence[int] | Sequence[bool]
 
@@ -28,10 +35,11 @@ class Batch:
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
                  non_tensors: dict[str, np.ndarray] | None = None,
-                 meta: dict[str, Any] | None = None, rows: int | None = None):
+                 meta: dict[str, Any] | None = None, rows: int | None = None, schema: Schema | None = None):
         self.tensors: dict[str, torch.Tensor] = {}
         self.non_tensors: dict[str, np.ndarray] = {}
         self.meta: dict[str, Any] = dict(meta or {})
+        self.schema = schema
         self._rows = rows
         for key, value in (tensors or {}).items():
             self[key] = value
@@ -42,12 +50,12 @@ class Batch:
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, Any] | None = None,
-                  meta: dict[str, Any] | None = None) -> "Batch":
+                  meta: dict[str, Any] | None = None, schema: Schema | None = None) -> "Batch":
         """A batch from tensors, non-tensor columns (lists or arrays; lists become object arrays) and meta."""
         for key, value in tensors.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tensor column {key!r} is a {type(value).__name__}; pass it in non_tensors")
-        return cls(tensors, non_tensors, meta)
+        return cls(tensors, non_tensors, meta, schema=schema)
 
     # ---- columns -----------------------------------------------------------------------------
 
@@ -75,6 +83,8 @@ class Batch:
         column = value if isinstance(value, torch.Tensor) else _as_column(value)
         if column.ndim == 0:
             raise ValueError(f"column {key!r} is 0-dimensional; per-batch values belong in meta")
+        if self.schema is not None:
+            self.schema.check(key, column)
         if self._rows is None or (self._rows == 0 and not self.keys()):
             self._rows = column.shape[0]
         if column.shape[0] != self._rows:
@@ -122,7 +132,7 @@ class Batch:
         else:
             tensors = {k: v.repeat(n, *([1] * (v.ndim - 1))) for k, v in self.tensors.items()}
             arrays = {k: np.tile(v, (n,) + (1,) * (v.ndim - 1)) for k, v in self.non_tensors.items()}
-        return Batch(tensors, arrays, self.meta, rows=len(self) * n)
+        return Batch(tensors, arrays, self.meta, rows=len(self) * n, schema=self.schema)
 
     def split(self, size: int) -> list["Batch"]:
         """Consecutive batches of `size` rows (the last may be smaller); views, no copies."""
@@ -147,25 +157,26 @@ class Batch:
             _check_compatible(first, batch, i)
         tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors}
         arrays = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
-        return Batch(tensors, arrays, first.meta, rows=sum(len(b) for b in batches))
+        return Batch(tensors, arrays, first.meta, rows=sum(len(b) for b in batches), schema=first.schema)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """The batch with every tensor on `device` (non-tensor columns and meta are shared)."""
         tensors = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
-        return Batch(tensors, self.non_tensors, self.meta, rows=len(self))
+        return Batch(tensors, self.non_tensors, self.meta, rows=len(self), schema=self.schema)
 
     # ---- pickling (Ray) ----------------------------------------------------------------------
 
     def __getstate__(self) -> dict:
         """Tensors as numpy arrays over the same bytes (detached, on CPU, contiguous)."""
         return {"tensors": {k: _to_numpy(v) for k, v in self.tensors.items()},
-                "non_tensors": self.non_tensors, "meta": self.meta, "rows": self._rows}
+                "non_tensors": self.non_tensors, "meta": self.meta, "rows": self._rows, "schema": self.schema}
 
     def __setstate__(self, state: dict) -> None:
         self.tensors = {k: _from_numpy(*v) for k, v in state["tensors"].items()}
         self.non_tensors = state["non_tensors"]
         self.meta = state["meta"]
         self._rows = state["rows"]
+        self.schema = state.get("schema")
 
     def __repr__(self) -> str:
         cols = [f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for k, v in self.tensors.items()]
@@ -182,7 +193,7 @@ class Batch:
         raise KeyError(f"no column {key!r}; columns: {', '.join(self.keys()) or '(none)'}")
 
     def _with(self, columns: Iterable[tuple[str, Any]], rows: int | None = None) -> "Batch":
-        batch = Batch(meta=self.meta, rows=len(self) if rows is None else rows)
+        batch = Batch(meta=self.meta, rows=len(self) if rows is None else rows, schema=self.schema)
         for key, value in columns:
             (batch.tensors if isinstance(value, torch.Tensor) else batch.non_tensors)[key] = value
         return batch

@@ -12,10 +12,13 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from megarl.data.batch import Batch
+from megarl.data.schema import ROLLOUT
 
 logger = logging.getLogger(__name__)
 
@@ -318,22 +321,10 @@ class PromptDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------- batches
 
 
-class PromptBatch(NamedTuple):
-    """A batch of prompts: `tensors` (input_ids, attention_mask, position_ids; [B, L], left-padded)
-    and `non_tensors` (one numpy object array of length B per other column)."""
-
-    tensors: dict[str, torch.Tensor]
-    non_tensors: dict[str, np.ndarray]
-
-    def to_batch(self, meta: dict[str, Any] | None = None):
-        """As the `megarl.data.batch.Batch` that crosses between roles."""
-        from megarl.data.batch import Batch
-
-        return Batch.from_dict(self.tensors, self.non_tensors, meta)
-
-
-def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> PromptBatch:
-    """Left-pad `input_ids` to the longest prompt; every other field becomes an object array."""
+def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int, meta: dict[str, Any] | None = None) -> Batch:
+    """The prompts as a rollout `Batch`: `input_ids` left-padded to the longest prompt (with
+    `attention_mask`, `position_ids` [B, L]); every other field an object column (the schema's
+    dataset columns, plus the file's pass-through columns)."""
     length = max(len(item["input_ids"]) for item in items)
     input_ids = torch.full((len(items), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(items), length), dtype=torch.long)
@@ -343,7 +334,8 @@ def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Promp
         attention_mask[b, length - n :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    return PromptBatch(tensors, _object_columns(items))
+    columns = _object_columns(items)
+    return Batch(tensors, columns, meta, schema=ROLLOUT.with_data_columns(columns))
 
 
 def _object_columns(items: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -399,7 +391,7 @@ class PromptLoader:
         left = len(self.dataset) - self.position
         return left < self.prompts_per_step if self.drop_last else left <= 0
 
-    def next_batch(self) -> PromptBatch:
+    def next_batch(self) -> Batch:
         """The next batch, moving on to the next epoch when this one cannot fill a batch."""
         if self._epoch_exhausted():
             self.epoch, self.position = self.epoch + 1, 0

@@ -5,7 +5,7 @@
     micro.py       MicroBatch: unpadded rows packed by a token budget; DP sharding
     context.py     context parallelism: load-balanced sequence split per CP rank, gather back to rows
     engine.py      MegatronEngine: bridge-built chunks, DDP, distributed optimizer, schedules
-    roles.py       Actor, Reference, Critic, RewardModel (engine + head + loss)
+    heads.py       LogProbHead, ValueHead, ScoreHead: model output -> per-token response tensors
     offload.py     parameters / grads / optimizer state to host memory and back
     checkpoint.py  atomic distributed checkpoints (model, optimizer, scheduler, RNG, step), HF export
 
@@ -14,11 +14,13 @@ Use (every process of the world, in the same order, since creating groups is col
     actor_groups = build_role_groups(ParallelLayout(tp=2))          # roles may share processes
     critic_groups = build_role_groups(ParallelLayout(tp=1))         # ... with their own layouts
     init_global_state(actor_groups)                                 # once per process
-    actor = Actor(MegatronEngine(hf_path, EngineConfig(layout=..., optim=OptimConfig(lr=1e-6)), actor_groups))
+    engine = MegatronEngine(hf_path, EngineConfig(layout=..., optim=OptimConfig(lr=1e-6)), actor_groups)
     rows = shard_for_dp(batch, actor_groups.dp_size, actor_groups.dp_rank)
-    actor.compute_log_probs(rows)   # {"log_probs", "entropy"}: [B_local, T]
-    actor.update(rows)              # {"loss", "grad_norm", "lr", policy-loss stats, ...}
-    actor.engine.save_checkpoint(path); actor.engine.offload(); actor.engine.onload()
+    engine.forward(rows, LogProbHead.of(engine))            # {"log_probs", "entropy"}: [B_local, T]
+    engine.train_step(rows, LogProbHead.of(engine), loss_fn)  # {"loss", "grad_norm", "lr", stats, ...}
+    engine.save_checkpoint(path); engine.offload(); engine.onload()
+
+The roles that compose an engine with a head and a loss (Actor, Critic, ...) are `megarl.workers`.
 
 On CPU (gloo, megatron_patches) everything above runs and is tested: TP, PP, virtual PP, DP with
 the distributed optimizer, activation recompute, colocated roles with different layouts, offload,
@@ -41,12 +43,9 @@ from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.engine.engine import MegatronEngine, validate_engine_config
 from megarl.engine.micro import MicroBatch, shard_for_dp
 from megarl.engine.parallel import RoleGroups, build_role_groups, init_global_state
-from megarl.engine.roles import (
-    Actor, ActorLossConfig, Critic, LogProbHead, Reference, RewardModel, ScoreHead, ValueHead, actor_loss, critic_loss,
-)
+from megarl.engine.heads import LogProbHead, ScoreHead, ValueHead
 
 __all__ = [
-    "Actor", "ActorLossConfig", "Critic", "EngineConfig", "LogProbHead", "MegatronEngine", "MicroBatch",
-    "OptimConfig", "Reference", "RewardModel", "RoleGroups", "ScoreHead", "ValueHead", "actor_loss",
-    "build_role_groups", "critic_loss", "init_global_state", "shard_for_dp", "validate_engine_config",
+    "EngineConfig", "LogProbHead", "MegatronEngine", "MicroBatch", "OptimConfig", "RoleGroups", "ScoreHead",
+    "ValueHead", "build_role_groups", "init_global_state", "shard_for_dp", "validate_engine_config",
 ]

@@ -18,7 +18,7 @@ Context parallelism (cp > 1, Transformer Engine only): each micro-batch is padde
 per-token outputs back to full rows over the CP group, so outputs and losses equal cp=1.
 
 Batches are this DP rank's rows (`micro.shard_for_dp` splits a full batch). Must not import vLLM
-or Ray; roles (`roles.py`) compose an engine with heads and losses.
+or Ray; roles (`megarl.workers`) compose an engine with heads and losses.
 """
 from __future__ import annotations
 

@@ -70,11 +70,13 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores → [B, T] token rewards with the score on each row's last response token."""
-    lengths = response_mask.long().sum(-1)
+    """[B] scores → [B, T] token rewards with the score on each row's last model-generated token
+    (the last 1 of the mask: right for masks with holes, where tool tokens sit between turns)."""
+    mask = response_mask.bool()
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = scores[rows].float()
+    rows = torch.nonzero(mask.any(-1)).squeeze(-1)
+    last = (mask.long() * torch.arange(1, mask.shape[1] + 1)).argmax(-1)
+    out[rows, last[rows]] = scores[rows].float()
     return out
 
 

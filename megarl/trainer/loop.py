@@ -1,24 +1,27 @@
 """The RL loop, in one place: PPO and GRPO (and their variants) differ only by configuration.
 
-    step = generate → reward → old log-probs → ref log-probs → values → advantages
+    step = generate → score → shape → old log-probs → ref log-probs → values → advantages
            → critic update → actor update → weight sync          (each phase timed)
 
 Which phases do work follows from the active roles (`megarl.config.active_roles`): without a
 reference the ref phase is empty, without a critic the value phase and critic update are, and
-the advantage estimator is looked up by name. Validation (greedy by default) runs before the
-first step and every `validation.every_steps`; checkpoints every `trainer.checkpoint_every_steps`
-and at the end; `trainer.resume=auto` continues from the latest complete checkpoint.
+the advantage estimator is looked up by name (its declared needs say whether the step also
+generates greedy baselines, for ReMax). Colocated engines sleep through the training phases.
+Validation (greedy by default) runs before the first step and every `validation.every_steps`;
+checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto` continues
+from the latest complete checkpoint.
 """
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from megarl.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage_estimator, make_kl_controller
+from megarl.algorithms import AdvantageInputs, apply_kl_penalty, estimator_needs, get_advantage_estimator
+from megarl.algorithms import make_kl_controller
 from megarl.algorithms.dapo import dynamic_sample, mask_truncated, overlong_penalty
 from megarl.algorithms.mismatch import truncated_is_weights
 from megarl.data.batch import Batch
@@ -28,7 +31,7 @@ from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_me
 
 
 class RLTrainer:
-    """Drives the workers of a `Cluster` through the RL loop of a `RunConfig`."""
+    """Drives the roles of a `megarl.controller.Cluster` through the RL loop of a `RunConfig`."""
 
     def __init__(self, cfg, derived, cluster, data):
         self.cfg, self.derived, self.cluster, self.data = cfg, derived, cluster, data
@@ -38,6 +41,8 @@ class RLTrainer:
         self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                        max_tokens=ro.max_response_tokens, n=ro.samples_per_prompt,
                                        stop_token_ids=data.stop_token_ids)
+        self.greedy = replace(self.sampling, n=1, temperature=0.0)
+        self.needs_baseline = "baseline_rewards" in estimator_needs(cfg.algorithm.advantage.estimator)
         self.step = 0
 
     # ------------------------------------------------------------------ the loop
@@ -67,32 +72,34 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict:
         """One RL step; returns its metrics."""
-        timer = PhaseTimer()
-        batch, stats = self.rollout(step, timer)  # generate → reward (repeated under DAPO dynamic sampling)
-        with timer("generate"):
-            self.cluster.sleep_engines()  # colocated engines give their GPU memory to the training phases
-        with timer("old_log_probs"):
-            batch = batch.union(self.cluster.forward("actor", "compute_log_probs", batch))
-        with timer("ref_log_probs"):
-            batch = self.with_role_outputs(batch, "ref", "compute_log_probs")
-        with timer("values"):
-            batch = self.with_role_outputs(batch, "critic", "compute_values")
-        with timer("advantages"):
-            batch, adv_stats = self.advantages(batch)
-            stats.update(adv_stats)
-        with timer("critic_update"):
-            stats.update(self.update("critic", batch))
-        if step > self.cfg.algorithm.critic_warmup_steps:
-            with timer("actor_update"):
-                stats.update(self.update("actor", batch))
+        timer, cluster = PhaseTimer(), self.cluster
+        batch, stats = self.rollout(step, timer)                    # generate → score → shape
+        with cluster.rollout.asleep(timer):                         # colocated engines free their memory
+            with timer("old_log_probs"):
+                batch = batch.union(cluster.actor.compute_log_probs(batch))
+            if cluster.ref:
+                with timer("ref_log_probs"):
+                    batch = batch.union(cluster.ref.compute_log_probs(batch))
+            if cluster.critic:
+                with timer("values"):
+                    batch = batch.union(cluster.critic.compute_values(batch))
+            with timer("advantages"):
+                batch = self.advantages(batch, stats)
+            if cluster.critic:
+                with timer("critic_update"):
+                    stats.update(self.update("critic", batch))
+            if self.actor_trains(step):
+                with timer("actor_update"):
+                    stats.update(self.update("actor", batch))
+        if self.actor_trains(step):                                 # critic warm-up: engines keep their weights
             with timer("weight_sync"):
-                self.cluster.wake_engines()
-                stats["rollout/policy_version"] = float(max(v or 0 for v in self.cluster.sync_weights()))
-        else:  # critic warm-up: the engines keep the weights they slept with
-            self.cluster.wake_engines()
-        if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
-            self.log.dump_rollouts(step, rollout_records(batch))
+                stats["rollout/policy_version"] = float(cluster.rollout.sync_weights())
+        self.dump_rollouts(step, batch)
         return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
+
+    def actor_trains(self, step: int) -> bool:
+        """False during the critic warm-up (`algorithm.critic_warmup_steps`)."""
+        return step > self.cfg.algorithm.critic_warmup_steps
 
     # ------------------------------------------------------------------ phases
 
@@ -102,10 +109,14 @@ class RLTrainer:
         rounds, scores = itertools.count(), []
 
         def one_round() -> Batch:
+            prompts, round_ = self.data.loader.next_batch(), next(rounds)
             with timer("generate"):
-                batch = self.generate(self.data.loader.next_batch().to_batch(), step, round_=next(rounds))
+                batch = self.generate(prompts, step, round_=round_)
             with timer("reward"):
-                batch = self.reward(batch)
+                batch = self.score(batch)
+                batch = self.shape(batch)
+            if self.needs_baseline:
+                batch["baseline_rewards"] = self.baseline_scores(prompts, step, timer)
             scores.append(batch["scores"])
             return batch
 
@@ -123,63 +134,69 @@ class RLTrainer:
         `step.round:row` stay unique across the rounds of a step)."""
         params = params or self.sampling
         seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
-        completions = self.cluster.generate(batching.requests(prompts, params, seed))
+        completions = self.cluster.rollout.generate(batching.requests(prompts, params, seed))
         return batching.rollout_batch(prompts, completions, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
 
-    def reward(self, batch: Batch) -> Batch:
-        """Rule rewards (+ a reward model, + DAPO overlong shaping) → token_level_scores."""
+    def score(self, batch: Batch) -> Batch:
+        """Rule rewards (+ the reward model's score) → scores, acc and the response texts they read."""
         texts = batching.decode_responses(batch, self.data.tokenizer)
         extras = [e if isinstance(e, dict) else {} for e in _column(batch, "extra_info", len(batch))]
         results = self.data.rewards.score(texts, list(batch["ground_truth"]), list(batch["data_source"]), extras)
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
-        if self.cluster.has("reward_model"):
-            rm = self.cluster.forward("reward_model", "compute_scores", batch)["rm_scores"]
-            scores = scores + self.cfg.reward_model.weight * rm.float()
-        dapo, lengths = self.cfg.algorithm.dapo, batch["response_mask"].sum(-1)
-        if dapo.overlong_buffer_len:
-            scores = scores + overlong_penalty(lengths, self.cfg.rollout.max_response_tokens,
-                                               dapo.overlong_buffer_len, dapo.overlong_penalty_factor)
-        if dapo.overlong_filter:
-            batch["response_mask"] = mask_truncated(batch["response_mask"], torch.from_numpy(
-                (batch["finish_reason"] == "length").astype(bool)))
+        if self.cluster.reward_model:
+            batch = batch.union(self.cluster.reward_model.compute_scores(batch))
+            scores = scores + self.cfg.reward_model.weight * batch["rm_scores"].float()
         batch["scores"] = scores
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
-        batch["token_level_scores"] = batching.outcome_rewards(scores, batch["response_mask"])
         batch["response_text"] = texts
         return batch
 
-    def with_role_outputs(self, batch: Batch, role: str, method: str) -> Batch:
-        """The role's per-row outputs added to the batch (the batch unchanged if the role is off)."""
-        if not self.cluster.has(role):
-            return batch
-        return batch.union(self.cluster.forward(role, method, batch))
+    def shape(self, batch: Batch) -> Batch:
+        """DAPO overlong shaping (penalty zone, masking truncated responses) where configured, then
+        the score placed on each row's last response token (`token_level_scores`)."""
+        dapo, lengths = self.cfg.algorithm.dapo, batch["response_mask"].sum(-1)
+        if dapo.overlong_buffer_len:
+            batch["scores"] = batch["scores"] + overlong_penalty(lengths, self.cfg.rollout.max_response_tokens,
+                                                                 dapo.overlong_buffer_len, dapo.overlong_penalty_factor)
+        if dapo.overlong_filter:
+            truncated = torch.from_numpy((batch["finish_reason"] == "length").astype(bool))
+            batch["response_mask"] = mask_truncated(batch["response_mask"], truncated)
+        batch["token_level_scores"] = batching.outcome_rewards(batch["scores"], batch["response_mask"])
+        return batch
 
-    def advantages(self, batch: Batch) -> tuple[Batch, dict]:
+    def baseline_scores(self, prompts: Batch, step: int, timer: PhaseTimer) -> torch.Tensor:
+        """ReMax's baseline: the score of each prompt's greedy response, repeated over its samples [B]."""
+        with timer("generate"):
+            greedy = self.generate(prompts, step, self.greedy)
+        with timer("reward"):
+            scores = self.score(greedy)["scores"]
+        return scores.repeat_interleave(self.sampling.n)
+
+    def advantages(self, batch: Batch, stats: dict) -> Batch:
         """KL-in-reward (if on), the configured estimator, and rollout/train importance weights (if on)."""
-        alg, mask, stats = self.cfg.algorithm, batch["response_mask"], {}
+        alg, mask = self.cfg.algorithm, batch["response_mask"]
         rewards = batch["token_level_scores"]
         if alg.kl_reward.coef > 0:
             rewards, kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
                                            self.kl_ctrl.value, alg.kl_reward.estimator)
             self.kl_ctrl.update(float(kl["kl"]), len(batch))
             stats.update({"actor/reward_kl": float(kl["kl"]), "actor/kl_coef": float(kl["kl_coef"])})
-        inputs = AdvantageInputs(rewards, mask, values=batch["values"] if "values" in batch else None,
-                                 group_ids=list(batch["uid"]))
+        inputs = AdvantageInputs(rewards, mask, values=_optional(batch, "values"), group_ids=list(batch["uid"]),
+                                 baseline_rewards=_optional(batch, "baseline_rewards"))
         batch["advantages"], batch["returns"] = get_advantage_estimator(alg.advantage.estimator)(inputs, alg.advantage)
         batch["token_level_rewards"] = rewards
         if alg.mismatch.level is not None:
             batch["is_weights"], is_stats = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
                                                                  mask, alg.mismatch.cap, alg.mismatch.level)
             stats.update({f"rollout/{k}": float(v) for k, v in is_stats.items()})
-        return batch, stats
+        return batch
 
     def update(self, role: str, batch: Batch) -> dict:
         """The role's optimizer steps over the step's samples (mini-batches × epochs); mean metrics."""
-        if not self.cluster.has(role):
-            return {}
         rows = self.derived.samples_per_update[role]
         parts = batching.minibatches(batch, rows, getattr(self.cfg, role).epochs_per_step)
-        return mean_metrics([self.cluster.update(role, part) for part in parts], role)
+        handle = getattr(self.cluster, role)
+        return mean_metrics([handle.update(part) for part in parts], role)
 
     # ------------------------------------------------------------------ validation, checkpoints
 
@@ -190,16 +207,20 @@ class RLTrainer:
             return {}
         n = val.samples_per_prompt
         params = replace(self.sampling, n=n, temperature=0.0) if val.greedy else replace(self.sampling, n=n)
-        batch = self.reward(self.generate(self.data.validation, step=-1, params=params))
+        batch = self.score(self.generate(self.data.validation, step=-1, params=params))
         return {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
                 "val/response_length": float(batch["response_mask"].sum(-1).float().mean())}
+
+    def dump_rollouts(self, step: int, batch: Batch) -> None:
+        """Every `trainer.dump_rollouts_every_steps`: the step's samples to rollouts/step_N.jsonl."""
+        if _every(step, self.cfg.trainer.dump_rollouts_every_steps, self.cfg.trainer.total_steps):
+            self.log.dump_rollouts(step, rollout_records(batch))
 
     def save_checkpoint(self, step: int) -> None:
         """Every trainable role's engine checkpoint, then the driver state (which marks it complete)."""
         directory = state.step_dir(self.cfg.trainer.run_dir, step)
-        for role in ("actor", "critic"):
-            if self.cluster.has(role):
-                self.cluster.call(role, "save_checkpoint", str(directory / role))
+        for name, role in self.cluster.trainable_roles().items():
+            role.save_checkpoint(str(directory / name))
         kl = self.kl_ctrl.value if self.cfg.algorithm.kl_reward.coef > 0 else None
         state.save_driver_state(directory, state.DriverState(step, self.data.loader.state_dict(), kl,
                                                              state.rng_state()))
@@ -212,22 +233,21 @@ class RLTrainer:
 
     def load_checkpoint(self, directory: Path) -> int:
         """Load a checkpoint into the workers and the driver and push its weights to the engines."""
-        for role in ("actor", "critic"):
-            if self.cluster.has(role):
-                self.cluster.call(role, "load_checkpoint", str(directory / role))
+        for name, role in self.cluster.trainable_roles().items():
+            role.load_checkpoint(str(directory / name))
         saved = state.load_driver_state(directory)
         self.data.loader.load_state_dict(saved.loader)
         if saved.kl_coef is not None:
             self.kl_ctrl.value = saved.kl_coef
         state.set_rng_state(saved.rng)
-        self.cluster.sync_weights()
+        self.cluster.rollout.sync_weights()
         print(f"[megarl] resumed from {directory} (step {saved.step})", flush=True)
         return saved.step
 
     def finish(self) -> None:
         """Final HF export and the reward plot."""
         if self.cfg.trainer.export_hf_at_end:
-            self.cluster.call("actor", "export_hf", str(Path(self.cfg.trainer.run_dir) / "hf"))
+            self.cluster.actor.export_hf(str(Path(self.cfg.trainer.run_dir) / "hf"))
         self.log.print(f"[megarl] {self.log.summary()}")
         plot = self.log.plot()
         if plot is not None:
@@ -243,11 +263,18 @@ def _column(batch: Batch, key: str, rows: int) -> list:
     return list(batch[key]) if key in batch else [None] * rows
 
 
+def _optional(batch: Batch, key: str) -> Optional[torch.Tensor]:
+    return batch[key] if key in batch else None
+
+
 def rollout_records(batch: Batch) -> list[dict]:
-    """One JSON-able record per sample: prompt, response, score, advantage, finish reason."""
+    """One JSON-able record per sample: prompt, response, score, mean advantage over its tokens,
+    finish reason, policy version (and the greedy baseline's score under ReMax)."""
     adv = batch["advantages"].sum(-1) / batch["response_mask"].sum(-1).clamp(min=1)
+    baseline = _optional(batch, "baseline_rewards")
     return [{"uid": batch["uid"][i], "prompt": batch["raw_prompt"][i] if "raw_prompt" in batch else None,
              "response": batch["response_text"][i], "ground_truth": batch["ground_truth"][i],
              "score": float(batch["scores"][i]), "advantage": float(adv[i]),
-             "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i])}
+             "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i]),
+             **({"baseline_score": float(baseline[i])} if baseline is not None else {})}
             for i in range(len(batch))]

@@ -27,7 +27,8 @@ from megarl.data.batch import Batch
 from megarl.utils.faults import hold
 
 GENERATION_PHASES = ("generate",)
-WORKER_PHASES = ("old_log_probs", "ref_log_probs", "values", "critic_update", "actor_update", "weight_sync")
+WORKER_PHASES = ("old_log_probs", "ref_log_probs", "values", "critic_update", "actor_update", "weight_sync",
+                 "engine_sleep", "engine_wake")
 
 
 class PhaseTimer:
@@ -69,6 +70,8 @@ def batch_metrics(batch: Batch) -> dict:
            "response_length/clip_ratio": float((batch["finish_reason"] == "length").mean())}
     if "acc" in batch:
         out["reward/acc"] = float(batch["acc"].float().mean())
+    if "baseline_rewards" in batch:  # ReMax: the greedy responses' scores
+        out["reward/baseline/mean"] = float(batch["baseline_rewards"].mean())
     for key in ("advantages", "returns", "values"):
         if key in batch:
             out.update(_describe(key, _masked(batch[key], mask)))

@@ -58,7 +58,7 @@ def load_run_data(cfg) -> RunData:
     if cfg.validation.files:
         val = PromptDataset(cfg.data, tokenizer, files=cfg.validation.files)
         count = min(len(val), cfg.validation.max_prompts or len(val))
-        validation = collate_prompts([val[i] for i in range(count)], tokenizer.pad_token_id).to_batch()
+        validation = collate_prompts([val[i] for i in range(count)], tokenizer.pad_token_id)
     return RunData(tokenizer, loader, validation, RewardRunner(cfg.reward))
 
 
@@ -66,7 +66,7 @@ def train(cfg, derived) -> list[dict]:
     """Run the configured training; returns the metrics of the steps run by this call."""
     from megarl.config import save_resolved
     from megarl.controller import init_ray
-    from megarl.trainer.cluster import Cluster
+    from megarl.controller.cluster import Cluster
     from megarl.trainer.loop import RLTrainer
 
     data = load_run_data(cfg)

@@ -83,7 +83,7 @@ def test_derived_sizes_of_the_70b_config():
     assert derived.rollout_engines == 8
 
 
-@pytest.mark.parametrize("overrides, message", [
+BAD = [
     # batch arithmetic: which numbers do not divide
     (["resources.gpus_per_node=8", "actor.layout.tp=1", "trainer.prompts_per_step=3", "rollout.samples_per_prompt=2"],
      r"trainer\.prompts_per_step \* rollout\.samples_per_prompt = 3 \* 2 = 6\) is not divisible by actor's"
@@ -117,6 +117,9 @@ def test_derived_sizes_of_the_70b_config():
     (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: unknown loss aggregation 'mean'"),
     (["algorithm.kl_loss.estimator=k9"], r"algorithm\.kl_loss\.estimator: unknown KL estimator 'k9'"),
     (["algorithm.advantage.estimator=gae"], r"estimator='gae' needs critic values but critic\.enabled is false; set critic\.enabled=true"),
+    (["rollout.samples_per_prompt=1"], r"estimator='grpo' compares the samples of each prompt, but"
+                                       r" rollout\.samples_per_prompt=1 makes groups of one, whose advantages are all 0"),
+    (["rollout.samples_per_prompt=1", "algorithm.advantage.estimator=rloo"], r"estimator='rloo' compares the samples"),
     (["algorithm.kl_loss.coef=0.1", "ref.enabled=false"], r"a KL term is on .* ref\.enabled=false"),
     (["reward.reward_fn=no_such_reward"], r"reward\.reward_fn: unknown reward 'no_such_reward'"),
     (["algorithm.critic_warmup_steps=300"], r"algorithm\.critic_warmup_steps=300 must be in \[0, trainer\.total_steps=200\)"),
@@ -130,7 +133,23 @@ def test_derived_sizes_of_the_70b_config():
     (["algorithm.dapo.filter_groups=true", "rollout.samples_per_prompt=1", "actor.layout.tp=2"],
      r"filter_groups=true .* rollout\.samples_per_prompt=1 makes groups of one"),
     (["trainer.checkpoint_every_steps=-1"], r"trainer\.checkpoint_every_steps=-1 must be >= 0 \(0: off\)"),
-])
+]
+
+
+def test_estimator_needs_are_checked_without_running_the_estimator(local, tmp_path):
+    from megarl.algorithms import estimator_needs
+
+    assert estimator_needs("gae") == ("values",) and estimator_needs("grpo") == ("group_ids",)
+    assert estimator_needs("remax") == ("baseline_rewards",) and estimator_needs("reinforce_plus_plus") == ()
+    validate(_cfg(local, "algorithm.advantage.estimator=remax"))  # the loop generates the greedy baseline
+    validate(_cfg(local, "algorithm.advantage.estimator=reinforce_plus_plus", "rollout.samples_per_prompt=1"))
+    user = tmp_path / "my_estimator.py"
+    user.write_text("def adv(inputs, cfg):\n    return inputs.values, inputs.values\n\nadv.needs = ('values',)\n")
+    with pytest.raises(ConfigError, match=r"my_estimator\.py:adv' needs critic values"):
+        validate(_cfg(local, f"algorithm.advantage.estimator={user}:adv"))
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
 def test_bad_config_fails_naming_the_field(local, overrides, message):
     cfg = _cfg(local, *overrides)
     start = time.perf_counter()

@@ -1,5 +1,6 @@
 """Worker groups on a real local Ray with fake GPUs: placement, rendezvous env, colocated roles,
-DP dispatch/collect, separate pools, errors. One Ray session for the module (start ~3 s)."""
+DP dispatch/collect, typed role handles, separate pools, errors. One Ray session for the module (start ~3 s)."""
+import contextlib
 import os
 import sys
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from megarl.controller import RankMesh, ResourcePool, WorkerError, WorkerGroup
+from megarl.controller.worker_group import role_handle
 from megarl.data.batch import Batch
 from megarl.models.layout import ParallelLayout
+from megarl.utils.remote import ALL, METRICS, ROWS, remote
 
 ray = pytest.importorskip("ray")
 
@@ -40,6 +43,38 @@ class EchoRole:
 
     def fail(self):
         raise ValueError(f"rank {self.rank} refuses")
+
+
+class HandledRole(EchoRole):
+    """EchoRole with `@remote` methods for typed handles, and a call boundary that counts entries."""
+
+    def __init__(self, scale: int):
+        super().__init__(scale)
+        self.inside = 0
+
+    @contextlib.contextmanager
+    def boundary(self):
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+    @remote(ROWS)
+    def scaled(self, batch: Batch) -> Batch:
+        """Rows times the scale, and how deep inside the boundary the call ran."""
+        return Batch.from_dict({"out": batch["row"] * self.scale, "inside": torch.full((len(batch),), self.inside)})
+
+    @remote(METRICS)
+    def metrics(self, batch: Batch) -> dict:
+        return {"rank": self.rank, "rows": len(batch)}
+
+    @remote(ALL)
+    def rank_of(self) -> int:
+        return self.rank
+
+    def not_remote(self) -> None:
+        """Not callable from the driver."""
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +128,20 @@ def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group)
         group.get([group.execute_rank0("reward.forward", batch)])
     with pytest.raises(WorkerError, match="rank 0: ValueError: role 'actor' already exists in this worker"):
         group.add_role("actor", EchoRole, 1)
+
+
+def test_typed_handles_call_role_methods_as_their_remote_mark_says(group):
+    group.add_role("handled", HandledRole, 3)
+    handle = role_handle(group, "handled", HandledRole, RankMesh(ParallelLayout(tp=2), 4))  # dp 2
+    batch = Batch.from_dict({"row": torch.arange(8), "attention_mask": torch.ones(8, 2, dtype=torch.long)})
+    out = handle.scaled(batch)
+    assert torch.equal(out["out"], torch.arange(8) * 3)        # rows split over DP, merged in input order
+    assert out["inside"].tolist() == [1] * 8                    # ran inside the role's boundary, once
+    assert handle.metrics(batch) == {"rank": 0, "rows": 4}     # one collecting rank's result
+    assert handle.rank_of() == 0                                # every rank called, rank 0 answers
+    assert handle.scaled.__doc__ == HandledRole.scaled.__doc__  # the handle's method is the role's
+    with pytest.raises(AttributeError, match=r"HandledRole.not_remote is not a remote method .* \['metrics', "):
+        handle.not_remote
 
 
 def test_separate_gpu_and_cpu_pools_and_a_pool_larger_than_the_cluster(ray_session, group):

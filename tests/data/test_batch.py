@@ -217,3 +217,43 @@ def test_pickle_of_read_only_buffers_gives_writable_tensors():
     restored = pickle.loads(data, buffers=read_only)
     restored["scores"].add_(1)  # must not touch read-only memory
     assert restored["scores"].tolist() == [1, 2, 3, 4]
+
+
+# ---- the typed schema (megarl.data.schema) ------------------------------------------------------
+
+def _rollout_batch():
+    from megarl.data.schema import ROLLOUT
+
+    return Batch.from_dict({"input_ids": torch.ones(4, 6, dtype=torch.long), "response_mask": torch.ones(4, 3, dtype=torch.long)},
+                           {"uid": ["a", "a", "b", "b"]}, schema=ROLLOUT)
+
+
+def test_a_rollout_batch_refuses_an_undeclared_column_naming_the_closest():
+    batch = _rollout_batch()
+    with pytest.raises(KeyError, match=r"no column 'old_logprobs'; did you mean 'old_log_probs'.*megarl.data.schema"):
+        batch["old_logprobs"] = torch.zeros(4, 3)
+    with pytest.raises(KeyError, match="no column 'my_column'; declared columns are listed"):
+        batch.union(Batch.from_dict({"my_column": torch.zeros(4)}))  # worker results are checked on the way in
+    assert "old_logprobs" not in batch
+
+
+def test_a_rollout_batch_refuses_a_column_of_the_wrong_kind_or_rank():
+    batch = _rollout_batch()
+    with pytest.raises(TypeError, match=r"'advantages' must be float \[B,T\].*got int with shape \[4, 3\]"):
+        batch["advantages"] = torch.ones(4, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"'scores' must be float \[B\]"):
+        batch["scores"] = torch.ones(4, 2)
+    with pytest.raises(TypeError, match=r"'uid' must be object \[B\]"):
+        batch["uid"] = torch.arange(4)
+
+
+def test_rows_unions_concats_and_pickles_keep_the_schema():
+    batch = _rollout_batch()
+    derived = [batch[1:3], batch.select("uid"), batch.repeat(2), Batch.concat([batch, batch]),
+               batch.union(Batch.from_dict({"old_log_probs": torch.zeros(4, 3)})), pickle.loads(pickle.dumps(batch))]
+    for other in derived:
+        assert other.schema is not None and other.schema.name == "rollout"
+        with pytest.raises(KeyError):
+            other["typo"] = np.zeros(len(other))
+    extended = batch.schema.with_data_columns(["agent_name", "uid"])
+    assert extended.columns["agent_name"].kind == "object" and extended.columns["uid"] is batch.schema.columns["uid"]

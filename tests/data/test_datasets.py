@@ -219,7 +219,8 @@ def test_max_samples_keeps_the_first_rows(tmp_path, tokenizer):
 def test_collate_left_pads_with_mask_and_positions(tmp_path, tokenizer):
     rows = [{"prompt": "abc", "ground_truth": "1"}, {"prompt": "a", "ground_truth": "2"}]
     ds = _dataset(tmp_path, tokenizer, rows, apply_chat_template=False)
-    tensors, non_tensors = collate_prompts([ds[0], ds[1]], tokenizer.pad_token_id)
+    batch = collate_prompts([ds[0], ds[1]], tokenizer.pad_token_id)
+    tensors, non_tensors = batch.tensors, batch.non_tensors
     pad = tokenizer.pad_token_id
     assert tensors["input_ids"].dtype == torch.long and tensors["input_ids"].shape == (2, 3)
     assert tensors["input_ids"][1, :2].tolist() == [pad, pad]
@@ -346,10 +347,11 @@ def test_preprocess_math_takes_last_boxed_and_skips_unboxed(tmp_path, tokenizer)
     assert ds[0]["extra_info"]["level"] == "Level 1" and out.endswith("eval.parquet")
 
 
-def test_prompt_batch_to_batch_keeps_tensors_and_columns(tmp_path, tokenizer):
-    pytest.importorskip("megarl.data.batch")
+def test_prompt_batches_are_rollout_batches_with_the_files_columns(tmp_path, tokenizer):
     ds = _dataset(tmp_path, tokenizer, _rows(4))
-    batch = PromptLoader(ds, prompts_per_step=4, shuffle=False).next_batch().to_batch(meta={"step": 1})
-    assert len(batch) == 4 and batch.meta == {"step": 1}
+    batch = PromptLoader(ds, prompts_per_step=4, shuffle=False).next_batch()
+    assert len(batch) == 4 and batch.schema.name == "rollout" and "extra_info" in batch.schema.columns
+    with pytest.raises(KeyError, match="did you mean 'old_log_probs'"):
+        batch["old_logprobs"] = torch.zeros(4, 3)
     assert torch.equal(batch["attention_mask"][:, -1], torch.ones(4, dtype=torch.long))
     assert list(batch["ground_truth"]) == ["0", "1", "2", "3"]

@@ -44,7 +44,8 @@ def _token_model(vocab: int):
 
 
 def _loss_parts(loss_config):
-    from megarl.engine.roles import LogProbHead, actor_loss
+    from megarl.engine.heads import LogProbHead
+    from megarl.workers.actor import actor_loss
 
     return LogProbHead(tp_group=None, vocab_size=C.VOCAB, chunk_tokens=7), actor_loss(loss_config)
 
@@ -196,19 +197,19 @@ def install_cpu_cp_attention():
 
 def cp_engine_rank(scenarios, hf_path, root):
     """With the CPU CP attention: `engine_cases.updates_rank`, cp=2 log-probs, a cp=2 → cp=1 checkpoint."""
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     install_cpu_cp_attention()
     updates = C.updates_rank(scenarios)
     actor = Actor(C.build(hf_path, ParallelLayout(cp=2), micro_batch_tokens=30))
-    return updates, actor.compute_log_probs(C.padded_batch()), cp_checkpoint(hf_path, root)
+    return updates, actor.compute_log_probs(C.padded_batch())["old_log_probs"], cp_checkpoint(hf_path, root)
 
 
 def cp_checkpoint(hf_path, root):
     """Train a step at CP=2 and save; resume at CP=1 (DP=2) and at CP=2: (weights loaded equal the saved
     ones, and after one more step each: losses, grad norms, max weight difference (optimizer state))."""
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     batch = C.padded_batch()
@@ -233,7 +234,7 @@ def gpu_batch():
 
 def gpu_update_rank(hf_path, layout, micro_batch_tokens, loss=None):
     """bf16 (TE's CP attention has no fp32 kernel): log-probs, then one linear-Adam actor update; all on CPU."""
-    from megarl.engine.roles import Actor, ActorLossConfig
+    from megarl.workers import Actor, ActorLossConfig
 
     from megarl.engine.config import OptimConfig
 
@@ -242,7 +243,7 @@ def gpu_update_rank(hf_path, layout, micro_batch_tokens, loss=None):
     engine = C.build(hf_path, layout, first=True, optim=OptimConfig(lr=1e6, adam_eps=1e4, clip_grad=1e9),
                      micro_batch_tokens=micro_batch_tokens, dtype="bfloat16")
     actor, batch = Actor(engine, loss or ActorLossConfig()), gpu_batch()
-    log_probs = actor.compute_log_probs(batch)["log_probs"].float().cpu()
+    log_probs = actor.compute_log_probs(batch)["old_log_probs"].float().cpu()
     before = {name: tensor.float().cpu() for name, tensor in engine.hf_weights()}
     metrics = actor.update(batch)
     deltas = {name: tensor.float().cpu() - before[name] for name, tensor in engine.hf_weights()}

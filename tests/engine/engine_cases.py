@@ -81,14 +81,14 @@ def local_rows(engine, batch):
 def full_actor_loss():
     """seq-mean-token-mean PPO + k3 KL loss + entropy bonus: every term of the actor objective."""
     from megarl.algorithms import KLConfig
-    from megarl.engine.roles import ActorLossConfig
+    from megarl.workers import ActorLossConfig
 
     return ActorLossConfig(kl=KLConfig(coef=0.1), entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean")
 
 
 def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, critic=False, **config):
     """One actor (or critic) update at `layout`: (loss, grad norm, micro-batches, HF-named deltas on TP rank 0)."""
-    from megarl.engine.roles import Actor, ActorLossConfig, Critic
+    from megarl.workers import Actor, ActorLossConfig, Critic
 
     engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens,
                    value_head=critic, **config)
@@ -114,7 +114,7 @@ def adam(lr=1e-2):
 
 def colocated_rank(actor_hf, critic_hf, steps, root):
     """Actor TP2 and critic TP1×DP2 in the same processes; a reference and a reward model beside them."""
-    from megarl.engine.roles import Actor, Critic, Reference, RewardModel
+    from megarl.workers import Actor, Critic, Reference, RewardModel
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.config import EngineConfig
     from megarl.models.layout import ParallelLayout
@@ -125,8 +125,8 @@ def colocated_rank(actor_hf, critic_hf, steps, root):
     reward = RewardModel(build(critic_hf, ParallelLayout(tp=2), value_head=True))
     batch = padded_batch()
     start = actor.compute_log_probs(batch)
-    ref = reference.compute_log_probs(batch)
-    scores = reward.compute_scores(batch)
+    ref = reference.compute_log_probs(batch)["ref_log_probs"]
+    scores = reward.compute_scores(batch)["rm_scores"]
     critic_rows = local_rows(critic.engine, batch)
     actor_losses = [actor.update(batch)["loss"] for _ in range(steps)]
     critic_losses = [critic.update(critic_rows)["loss"] for _ in range(steps)]
@@ -134,14 +134,14 @@ def colocated_rank(actor_hf, critic_hf, steps, root):
     restored = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(2e-3), micro_batch_tokens=30))
     restored.engine.load_checkpoint(f"{root}/critic")
     return {"start": start, "ref": ref, "scores": scores, "actor": actor_losses, "critic": critic_losses,
-            "critic_values": critic.compute_values(critic_rows), "critic_rows": critic_rows["input_ids"],
-            "restored_values": restored.compute_values(critic_rows)}
+            "critic_values": critic.compute_values(critic_rows)["values"], "critic_rows": critic_rows["input_ids"],
+            "restored_values": restored.compute_values(critic_rows)["values"]}
 
 
 def offload_rank(hf, steps):
     """Two identical actors; one is offloaded and onloaded between steps. Returns both loss curves and weights."""
     from megarl.engine.offload import device_bytes
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     plain = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
@@ -169,14 +169,14 @@ def subset_role_scores(hf):
     from megarl.engine.config import EngineConfig
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.parallel import build_role_groups
-    from megarl.engine.roles import RewardModel
+    from megarl.workers import RewardModel
     from megarl.models.layout import ParallelLayout
 
     groups = build_role_groups(ParallelLayout(), world_size=1, rank_offset=1)
     if not groups.is_member:
         return dist.get_rank(), None
     engine = MegatronEngine(hf, EngineConfig(layout=ParallelLayout()), groups, value_head=True)
-    return dist.get_rank(), RewardModel(engine).compute_scores(padded_batch())
+    return dist.get_rank(), RewardModel(engine).compute_scores(padded_batch())["rm_scores"]
 
 
 def scheduled_adam():
@@ -195,7 +195,7 @@ def checkpoint_rank(hf, root, save_at, total):
     from pathlib import Path
 
     from megarl.engine import checkpoint
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     batch, ckpt = padded_batch(), f"{root}/ckpt"
@@ -205,7 +205,7 @@ def checkpoint_rank(hf, root, save_at, total):
     rest = _steps(actor, batch, total - save_at)
     final = {n: t.clone() for n, t in actor.engine.hf_weights()}
     actor.engine.export_hf(f"{root}/hf_export")
-    final_logp = actor.compute_log_probs(batch)["log_probs"]
+    final_logp = actor.compute_log_probs(batch)["old_log_probs"]
 
     resumed = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
     meta = resumed.engine.load_checkpoint(ckpt)
@@ -253,7 +253,7 @@ def decaying_adam():
 def moe_checkpoint_rank(hf, root):
     """EP2 MoE actor: step, save, step; resume at EP2 and at EP1 (DP2 without EP) and take that step again.
     Then the other way: the EP1 engine saves, an EP2 engine loads that, and both take one more step."""
-    from megarl.engine.roles import Actor
+    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
 
     def actor(layout, first=False):

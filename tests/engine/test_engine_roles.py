@@ -24,8 +24,8 @@ def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transfo
     mask = batch["response_mask"].bool()
     expected = C.hf_log_probs(actor_hf, batch)
     for result in per_rank:
-        torch.testing.assert_close(result["start"]["log_probs"][mask], expected[mask], rtol=0, atol=1e-5)
-        torch.testing.assert_close(result["ref"], result["start"]["log_probs"])
+        torch.testing.assert_close(result["start"]["old_log_probs"][mask], expected[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result["ref"], result["start"]["old_log_probs"])
         assert result["start"]["entropy"][mask].gt(0).all()
         assert result["scores"].shape == (len(batch),) and result["scores"].isfinite().all()
         assert result["actor"][-1] < result["actor"][0], result["actor"]

