@@ -158,6 +158,7 @@ def _node_lost_message(lost: list[tuple[str, str]], err: BaseException, resume: 
 def _stop(cluster, data, ray_too: bool) -> None:
     """Stop the workers and the reward pool; after an interrupt also Ray itself (the local Ray
     processes, or this job's connection to a joined cluster) now, within the grace period, not at exit."""
+    start = time.perf_counter()
     if cluster is not None:
         cluster.shutdown()
     data.rewards.close()
@@ -166,6 +167,8 @@ def _stop(cluster, data, ray_too: bool) -> None:
 
         if ray.is_initialized():
             ray.shutdown()
+        print(f"[megarl] stopped: workers and Ray gone in {time.perf_counter() - start:.1f} s.", file=sys.stderr,
+              flush=True)
 
 
 def _report_interrupt(resume: str, run_dir: str) -> None:

@@ -181,5 +181,6 @@ def test_ctrl_c_stops_the_run_and_names_the_checkpoint_a_rerun_continues_from(ti
     print(f"Ctrl-C ({sigint}): exited {code} after {seconds:.1f} s")
     assert code == 130, out[-3000:]
     assert "interrupted: stopping the workers" in out and "checkpoints/step_00000" in out
+    assert "[megarl] stopped: workers and Ray gone" in out
     assert "Traceback" not in out and seconds < 10, (seconds, out[-3000:])
     assert not left, f"processes of the run outlived it: {left}"
