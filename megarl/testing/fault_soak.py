@@ -19,8 +19,9 @@ those the run cannot reach any more):
   export           the final HF export written, not yet published                          (hold)
   damaged_shard    anytime, then a shard of the latest checkpoint is truncated
   damaged_state    anytime, then the latest checkpoint's driver_state.pt is emptied
-  unlisted_damage  anytime, then the latest checkpoint loses its manifest and a shard is truncated
-                   (only the workers' failing load can notice: the second line of defence)
+  unlisted_damage  anytime, then the latest checkpoint loses its manifest and the head of a shard is
+                   zeroed (same size: only the workers' failing load can tell, the second line of
+                   defence; done only where an older intact checkpoint exists to fall back to)
   torn_metrics     anytime, then half a JSON line is appended to metrics.jsonl
 
 After each kill every process of the run (found by its MEGARL_RUN_TAG) must be gone within 30 s.
@@ -226,7 +227,8 @@ DAMAGES = ("damaged_shard", "damaged_state", "unlisted_damage", "torn_metrics")
 def reachable(kind: str, prog: Progress) -> bool:
     steps_left = prog.remaining > 0
     return {"checkpoint": steps_left, "driver_state": steps_left, "prune": prog.prunes > 0, "anytime": steps_left,
-            "metrics_rewrite": prog.metrics, **{k: prog.checkpoints > 0 for k in DAMAGES}}.get(kind, True)
+            "metrics_rewrite": prog.metrics, **{k: prog.checkpoints > 0 for k in DAMAGES},
+            "unlisted_damage": prog.checkpoints > 1}.get(kind, True)
 
 
 def hold_env(kind: str, prog: Progress, rng: random.Random, hold_file: Path) -> dict:
@@ -271,10 +273,15 @@ def damage(kind: str, run_dir: Path) -> str:
         (latest / state.DRIVER_STATE).write_bytes(b"")
         return f"{latest.name}/driver_state.pt emptied"
     shard = sorted(latest.glob("actor/*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    if kind == "unlisted_damage":
-        (latest / state.MANIFEST).unlink()
-    return f"{shard.relative_to(run_dir)} truncated" + (", manifest removed" if kind == "unlisted_damage" else "")
+    if kind == "damaged_shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return f"{shard.relative_to(run_dir)} truncated"
+    if not state.plan_resume("auto", run_dir).fallbacks:
+        return "not damaged: no earlier intact checkpoint to fall back to"
+    with open(shard, "r+b") as f:  # same size, no manifest: only the workers' failing load can tell
+        f.write(bytes(64))
+    (latest / state.MANIFEST).unlink()
+    return f"{shard.relative_to(run_dir)}: first 64 bytes zeroed, manifest removed"
 
 
 # ----------------------------------------------------------------------------- comparing metrics

@@ -108,7 +108,8 @@ def file_table(directory: Path) -> dict[str, dict]:
     table = {}
     for path in sorted(directory.rglob("*")):
         rel = path.relative_to(directory)
-        if not path.is_file() or str(rel) in (MANIFEST, DRIVER_STATE) or any(p.startswith(".") for p in rel.parts):
+        hidden_dir = any(part.startswith(".") for part in rel.parts[:-1])  # staging dirs of unfinished saves
+        if not path.is_file() or str(rel) in (MANIFEST, DRIVER_STATE) or hidden_dir or ".tmp-" in rel.name:
             continue
         size = path.stat().st_size
         entry = {"size": size}
@@ -131,7 +132,30 @@ def checkpoint_problem(directory: str | Path) -> Optional[str]:
     match = _STEP_DIR.match(directory.name)
     if match and int(match.group(1)) != saved.step:
         return f"{state_file} is of step {saved.step}, not of {directory.name}"
-    return _manifest_problem(directory)
+    return _manifest_problem(directory) or _distcp_problem(directory)
+
+
+def _distcp_problem(directory: Path) -> Optional[str]:
+    """torch_dist engine checkpoints list, in `.metadata`, where each item lies in which .distcp file:
+    a file shorter than its last item is truncated (caught even without a manifest)."""
+    import pickle
+
+    for metadata in sorted(directory.glob("*/.metadata")):
+        try:
+            with open(metadata, "rb") as f:
+                storage = pickle.load(f).storage_data
+            needed: dict[str, int] = {}
+            for info in storage.values():
+                needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        except Exception as err:  # noqa: BLE001 -- an unreadable .metadata is damage, whatever the error
+            return f"{metadata} is unreadable ({type(err).__name__}: {err})"
+        for name, end in sorted(needed.items()):
+            path = metadata.parent / name
+            size = path.stat().st_size if path.is_file() else None
+            if size is None or size < end:
+                return (f"{path} is missing" if size is None else
+                        f"{path} has {size} bytes but its items end at byte {end} (truncated)")
+    return None
 
 
 def _manifest_problem(directory: Path) -> Optional[str]:
@@ -254,17 +278,25 @@ def resume_from(resume: str, run_dir: str | Path, load: Callable[[Path], int]) -
         try:
             return load(directory)
         except Exception as err:  # noqa: BLE001 -- reported with the file, then the next candidate
-            failures.append(f"{directory}: {type(err).__name__}: {err}")
+            failures.append(f"{directory}: {_short(err)}")
             if resume != "auto":
-                raise ResumeError(f"trainer.resume={resume!r}: loading {directory} failed ({type(err).__name__}:"
-                                  f" {err}). {_fallback_hint(plan.fallbacks)}") from err
+                raise ResumeError(f"trainer.resume={resume!r}: loading {directory} failed ({_short(err)})."
+                                  f" {_fallback_hint(plan.fallbacks)}") from err
             if i + 1 < len(candidates):
-                _warn(f"loading checkpoint {directory} failed ({type(err).__name__}: {err}); trying the previous"
-                      f" intact checkpoint, {candidates[i + 1]}")
+                _warn(f"loading checkpoint {directory} failed ({_short(err)}); trying the previous intact"
+                      f" checkpoint, {candidates[i + 1]}")
     if failures:
         raise ResumeError("no checkpoint of the run loads: " + "; ".join(failures) +
                           ". Fix the config to match the checkpoints, or set trainer.resume=never to start over")
     return 0
+
+
+def _short(err: BaseException, limit: int = 400) -> str:
+    """An error in one line: its type, its first line and (a remote traceback's) last line."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def set_aside(directory: Path) -> Path:

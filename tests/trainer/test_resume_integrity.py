@@ -128,3 +128,20 @@ def test_leftovers_of_killed_runs_are_removed_and_checkpoints_kept(run):
     assert sorted(state.remove_leftovers(run)) == sorted([*leftovers, run / ".metrics.jsonl.tmp-7"])
     assert not any(p.exists() for p in leftovers) and [s for s, _ in state.complete_checkpoints(run)] == [1, 2, 3]
     assert state.checkpoint_problem(state.step_dir(run, 3)) is None
+
+
+def test_a_truncated_torch_dist_shard_is_found_without_a_manifest(tmp_path):
+    """Engine checkpoints are torch_dist: `.metadata` says where each item ends in which .distcp file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    directory = state.step_dir(tmp_path, 1)
+    dcp.save({"w": torch.arange(4096.0), "b": torch.ones(8)}, checkpoint_id=str(directory / "actor"), no_dist=True)
+    state.save_driver_state(directory, state.DriverState(1))
+    assert state.checkpoint_problem(directory) is None
+    (directory / state.MANIFEST).unlink()  # a checkpoint from before manifests
+    shard = sorted(directory.glob("actor/*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert f"{shard} has 100 bytes but its items end at byte" in state.checkpoint_problem(directory)
+    (directory / "actor/.metadata").write_bytes(b"garbage")
+    assert "actor/.metadata is unreadable" in state.checkpoint_problem(directory)
