@@ -169,6 +169,17 @@ def where_it_landed(launch: Launch) -> str:
     return f"in step {last + 1} (or its checkpoint)"
 
 
+def held_where(kind: str, launch: Launch) -> str:
+    """Where a hold point froze the run, in words."""
+    rows = [r for r in read_metrics(launch.run_dir / "metrics.jsonl") if "reward/score/mean" in r]
+    step = rows[-1]["step"] if rows else "?"
+    return {"driver_state": f"step {step}'s engine checkpoint and manifest written, driver state not yet",
+            "checkpoint": f"step {step}'s engine checkpoint written by every rank, not yet published",
+            "prune": f"after step {step}'s checkpoint, older ones renamed for deletion",
+            "metrics_rewrite": "a relaunch rewriting metrics.jsonl before its first step",
+            "export": "the final HF export written, not yet published"}[kind]
+
+
 def resumed_step(log: str) -> int:
     match = re.search(r"resumed from \S+ \(step (\d+)\)", log)
     return int(match.group(1)) if match else 0
@@ -251,7 +262,7 @@ def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog:
     if kind in HOLDS:
         if not launch.wait_for(hold_file.exists):
             return None
-        return f"held at {launch.env['MEGARL_FAULT_HOLD']} ({where_it_landed(launch)})"
+        return f"held at {launch.env['MEGARL_FAULT_HOLD']}: {held_where(kind, launch)}"
     if not launch.wait_for(lambda: workers_ready(launch)):
         return None
     ready, delay = time.monotonic(), rng.uniform(0, timing.train_s * max(prog.remaining, 0.5) / TOTAL_STEPS)
@@ -374,12 +385,12 @@ class Soak:
         self.log(f"uninterrupted run: workers ready after {ready_s:.1f} s, trained in {self.timing.train_s:.1f} s")
 
     def next_kind(self, prog: Progress) -> str:
-        for _ in range(2 * len(self.kinds)):
-            if not self.order:
-                self.order = self.rng.sample(self.kinds, len(self.kinds))
-            kind = self.order.pop(0)
-            if reachable(kind, prog):
-                return kind
+        """The next kind of a shuffled cycle that the run can still reach (unreachable ones wait their turn)."""
+        for _ in range(2):
+            for i, kind in enumerate(self.order):
+                if reachable(kind, prog):
+                    return self.order.pop(i)
+            self.order += self.rng.sample(self.kinds, len(self.kinds))
         return "startup"
 
     def run(self) -> SoakResult:
