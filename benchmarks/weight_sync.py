@@ -67,16 +67,28 @@ def timed(fn):
 
 
 # -- the three sync paths (rank 0 holds the engine or sender; the other ranks pass None) -----------
+_VERSION = [0]
+
+
+def _sync(manager, sender):
+    _VERSION[0] += 1
+    return manager.sync(sender, version=_VERSION[0])
+
+
 def sync_in_process(manager, engine):
-    return manager.sync(engine)
+    from megarl.rollout.sharding.senders import InPlaceSender
+
+    return _sync(manager, engine and InPlaceSender(engine))
 
 
 def sync_ipc(manager, engine):
-    return manager.sync(engine)
+    from megarl.rollout.sharding.ipc import IpcSender
+
+    return _sync(manager, engine and IpcSender(engine))
 
 
 def sync_broadcast(manager, sender):
-    return manager.sync(sender=sender)
+    return _sync(manager, sender)
 
 
 def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
@@ -89,7 +101,7 @@ def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
     if use_vllm:
         from megarl.rollout.vllm_engine import VLLMEngine
 
-        engines["ipc"] = VLLMEngine(hf_dir, in_process=False, ipc_bucket_bytes=bucket_bytes)
+        engines["ipc"] = VLLMEngine(hf_dir, in_process=False, update_bucket_bytes=bucket_bytes)
     return engines
 
 

@@ -64,6 +64,7 @@ class RolloutWorker:
         import torch.distributed as dist
 
         from megarl.rollout import create_engine
+        from megarl.rollout.sharding.senders import sender_for
 
         ro = cfg.rollout
         self.rank = dist.get_rank()
@@ -77,6 +78,7 @@ class RolloutWorker:
                 # exactly this rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
                 kwargs.update(in_process=False, visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
+        self.sender = None if self.engine is None else sender_for(self.engine)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         _LOCAL["rollout"] = self
 
@@ -95,11 +97,7 @@ class RolloutWorker:
     def sync_weights(self) -> Optional[int]:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""
         with _resident(local_role("actor")):
-            self.manager.sync(self.engine)
-        if self.engine is None:
-            return None
-        self.engine.version = local_role("actor").engine.step
-        return self.engine.version
+            return self.manager.sync(self.sender, version=local_role("actor").engine.step)
 
     def version(self) -> Optional[int]:
         return None if self.engine is None else self.engine.version
@@ -152,11 +150,8 @@ class RolloutSender:
         if not self.sends:
             return None
         actor = local_role("actor")
-        if self.sender is not None:
-            self.sender.version = actor.engine.step
         with _resident(actor):
-            self.manager.sync(sender=self.sender)
-        return actor.engine.step if self.rank == 0 else None
+            return self.manager.sync(self.sender, version=actor.engine.step)
 
     def close(self) -> None:
         """Rank 0: release the servers from their receive loop."""

@@ -81,12 +81,19 @@ def test_buckets_respect_the_size_bound(bucket_bytes):
     assert sum(b.nbytes for b in plan.buckets) == plan.total_bytes
 
 
-def test_pack_then_unpack_reproduces_hf_tensors_tp2_pp2_vpp2():
-    """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack."""
-    config = tiny_hf_config("qwen2", num_layers=4)
+@pytest.mark.parametrize("arch,tp,pp,vpp", [("qwen2", 2, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 1),
+                                            ("qwen3", 1, 1, 1)])
+def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp):
+    """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack.
+
+    Every bucket arrives as one flat buffer holding its HF tensors contiguously in plan order, bit
+    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy.
+    """
+    config = _CONFIGS[arch] if arch != "qwen2" else tiny_hf_config("qwen2", num_layers=4)
+    dims = describe_hf_config(config)
     torch.manual_seed(0)
-    hf = {n: torch.randn(s) for n, s in _shapes(describe_hf_config(config)).items() if n != "lm_head.weight"}
-    tp, pp, vpp = 2, 2, 2
+    hf = {n: torch.randn(s) for n, s in _shapes(dims).items()
+          if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     layouts = [fake_training_layout(config, tp, pp, vpp, rank=r, value=hf) for r in range(tp)]
     wmap, metas, _ = layouts[0]
     plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=20_000)
@@ -95,9 +102,18 @@ def test_pack_then_unpack_reproduces_hf_tensors_tp2_pp2_vpp2():
         packed = []
         for _, _, local in layouts:
             params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
-            packed.append(pack_bucket(bucket, params))
+            packed.append(pack_bucket(bucket, params, wmap.dims))
         gathered = torch.cat(packed) if bucket.sharded else packed[0]
-        got.update(unpack_bucket(bucket, gathered, wmap.dims))
+        flat = unpack_bucket(bucket, gathered, wmap.dims)
+        assert flat.buffer.is_contiguous() and flat.buffer.numel() == sum(e.numel for e in flat.entries)
+        assert [e.offset for e in flat.entries] == [sum(e.numel for e in flat.entries[:i])
+                                                    for i in range(len(flat.entries))]
+        if not bucket.sharded:
+            assert flat.buffer.data_ptr() == gathered.data_ptr()  # travels as received
+        for entry, (name, tensor) in zip(flat.entries, flat.tensors()):
+            assert tensor.data_ptr() == flat.buffer.data_ptr() + entry.offset * tensor.element_size()  # views
+            got[name] = tensor.clone()
+    assert any(b.sharded for b in plan.buckets) == (tp > 1)
     assert got.keys() == hf.keys()
     for name in hf:
         assert torch.equal(got[name], hf[name]), name
