@@ -10,13 +10,15 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
   * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket one message
                  per TP rank to rank 0, unshard + to_hf (QKV per group, gate/up, vocab padding
                  dropped) into HF tensors;
-  * in-process — the sync into an embedded (`transformers`) engine in rank 0: the engine copies
-                 each HF tensor into its parameters (the in-place path);
-  * ipc        — the sync into a vLLM CPU engine whose engine core is a child process of rank 0
-                 (colocated placement): buckets cross by shared-memory handle, vLLM's
-                 `reload_weights` loads them (skipped with --no-vllm or without vLLM);
-  * broadcast  — the sync to an embedded engine in another process over a gloo weight group (the
-                 server-mode path: one broadcast per bucket, the receiver loads in place);
+  * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
+                 engine in rank 0: the engine copies views of each bucket into its parameters;
+  * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine whose engine core is a child
+                 process of rank 0 (colocated placement): each bucket's shared-memory buffer crosses
+                 by handle as it is, vLLM's `reload_weights` loads it (this time is mostly vLLM's
+                 reload; skipped with --no-vllm or without vLLM);
+  * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
+                 gloo weight group (the server-mode path: one broadcast per bucket buffer, the
+                 receiver loads in place);
   * per-param  — `gather` with one parameter per bucket;
   * naive      — the per-tensor loop most exporters run: a blocking TP all-gather per parameter
                  (`ModelBridge.iter_hf_weights`) and a blocking send per HF tensor to rank 0;

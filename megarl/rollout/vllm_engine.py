@@ -14,7 +14,9 @@ headers: names and shapes), so a bad update loads nothing.
 Log-probs: `logprobs_mode="processed_logprobs"`, so a sampled token's log-prob is taken from the
 distribution it was sampled from (logits / temperature, then top-k / top-p; vLLM 0.32
 `Sampler.sample` and `TopKTopPSampler`); greedy requests get log_softmax(logits). Prompt log-probs
-(`score`) are unaffected (vLLM computes them from the raw logits in every mode).
+(`score`) are unaffected (vLLM computes them from the raw logits in every mode). On CUDA this mode
+keeps vLLM on its PyTorch-native top-k/top-p sampler (FlashInfer's does not return processed
+log-probs; vLLM picks the native one itself).
 
 Sleep/wake: on GPU `llm.sleep(level=1)` offloads weights and drops the KV cache around training
 (needs `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and
@@ -49,10 +51,10 @@ class VLLMEngine(RolloutEngine):
 
     in_process: True runs vLLM's engine core in this process (weights stream in as a Python
     iterator); False runs it in a child process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) and updates
-    travel as IPC buckets (`update_weights` makes buckets of `update_bucket_bytes`). None picks in-process unless this process is
-    already in a torch.distributed world (a colocated training rank): vLLM's in-process start-up
-    would then create groups on the training world (`new_group`), a collective the other training
-    ranks never join, and hang. visible_devices: CUDA_VISIBLE_DEVICES of the processes vLLM starts
+    travel as IPC buckets (`update_weights` makes buckets of `update_bucket_bytes`). None picks
+    in-process unless this process is already in a torch.distributed world (a colocated training
+    rank): vLLM's in-process start-up would then create groups on the training world
+    (`new_group`), a collective the other training ranks never join, and hang. visible_devices: CUDA_VISIBLE_DEVICES of the processes vLLM starts
     when not in process (a colocated GPU engine: the training rank's own GPUs). TP > 1 uses vLLM's
     multiprocessing executor (never its Ray executor, which would ask for GPUs our pools hold).
     """
