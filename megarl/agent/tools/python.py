@@ -2,7 +2,8 @@
 
 Owns `PythonTool`: each call runs the code as a fresh script through `megarl.rewards.sandbox.run_python`
 (its own process group, killed at `timeout_s`; RLIMIT_AS memory; a fresh network namespace where the
-machine allows it) and returns stdout, then stderr and the exit status when the run failed.
+machine allows it) and returns stdout, then stderr (a traceback with only the script's own frames) and the exit
+status when the run failed.
 Imports only the sandbox (standard library).
 """
 from __future__ import annotations
@@ -30,5 +31,21 @@ class PythonTool(Tool):
         if result.timed_out:
             return f"{result.stdout}\nError: the code ran past {self.sandbox.timeout_s} s and was killed".lstrip()
         if not result.ok:
-            return f"{result.stdout}{result.stderr}\n(exit status {result.returncode})".lstrip()
+            return f"{result.stdout}{clean_traceback(result.stderr)}\n(exit status {result.returncode})".lstrip()
         return result.stdout
+
+
+def clean_traceback(stderr: str) -> str:
+    """stderr with a traceback's frames outside the script (the sandbox launcher, the standard library)
+    folded into "  ...", so the error line survives truncation."""
+    out, skipping = [], False
+    for line in stderr.splitlines():
+        if line.startswith("  File "):
+            skipping = not line.startswith('  File "solution.py"')
+            if skipping and out[-1:] != ["  ..."]:
+                out.append("  ...")
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping and line != "  ...":
+            out.append(line)
+    return "\n".join(out) + ("\n" if stderr.endswith("\n") else "")

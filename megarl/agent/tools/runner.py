@@ -109,7 +109,7 @@ def fit_text(result: CallResult, config: AgentConfig, tokenizer) -> None:
     cut = len(text) > config.max_tool_output_chars
     if cut:
         text = _cut(text, config.max_tool_output_chars, side)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # may pass model_max_length: no warning
     if len(ids) > config.max_tool_response_tokens:
         mark = tokenizer.encode(TRUNCATION_MARK, add_special_tokens=False)
         keep = max(config.max_tool_response_tokens - len(mark), 0)
