@@ -73,7 +73,7 @@ class AgentSample:
             ground_truth=row.get("ground_truth"), data_source=row.get("data_source") or "unknown",
             extra_info=dict(row.get("extra_info") or {}), agent_name=row.get("agent_name") or None,
             tools=[t.strip() for t in tools.split(",") if t.strip()] if isinstance(tools, str) else
-            (list(tools) if tools is not None else None),
+            ([str(t) for t in tools] if tools is not None else None),
             seed=row.get("seed", seed), index=row.get("dataset_index"),
             extra={k: v for k, v in row.items() if k not in _ROW_FIELDS and k != "messages"},
         )

@@ -5,7 +5,7 @@ Owns `build_app(server)` (routes: POST /v1/chat/completions, GET /v1/models; err
 tools, tool_choice and the sampling fields (temperature, top_p, max_tokens / max_completion_tokens,
 seed; n must be 1; `stop` strings are refused: stopping is by token id). Imports FastAPI.
 """
-from __future__ import annotations
+# no `from __future__ import annotations`: FastAPI reads the route annotations (Request) at run time
 
 import dataclasses
 import time
