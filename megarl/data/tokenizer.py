@@ -2,8 +2,9 @@
 
 Owns `build_tiny_tokenizer`: one token per printable ASCII character plus newline and tab, the
 special tokens `<pad>`, `<unk>`, `<s>`, `</s>`, `<|im_start|>`, `<|im_end|>`, and a ChatML chat
-template that also renders tools, tool calls and tool results (Hermes style, as Qwen2.5 does). It is a real `transformers.PreTrainedTokenizerFast`, so every code path that takes an
-HF tokenizer (datasets, rollout, rewards) runs unchanged with tiny models.
+template that also renders tools, tool calls and tool results (Hermes style, as Qwen2.5 does). It is
+a real `transformers.PreTrainedTokenizerFast`, so every code path that takes an HF tokenizer
+(datasets, rollout, rewards, agent loops) runs unchanged with tiny models.
 Imports only `tokenizers` and `transformers` (CPU, no megatron / vLLM / Ray).
 """
 from __future__ import annotations
