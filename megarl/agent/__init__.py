@@ -31,9 +31,9 @@ from megarl.agent.env_loop import ENVIRONMENTS, Environment, StepResult
 from megarl.agent.parsers import TOOL_PARSERS, Parsed, ToolCall
 from megarl.agent.replay import ReplayLLM
 from megarl.agent.tools import TOOLS, Tool, ToolResult, ToolSet
-from megarl.agent.trajectory import FINISH_REASONS, Trajectory, Turn
+from megarl.agent.trajectory import FINISH_REASONS, Trajectory, Turn, summarize
 
 __all__ = ["AGENT_LOOPS", "AgentConfig", "AgentContext", "AgentLLM", "AgentSample", "ENVIRONMENTS", "EngineLLM",
            "Environment", "FINISH_REASONS", "Parsed", "ReplayLLM", "StepResult", "TOOLS", "TOOL_PARSERS", "Tool",
            "ToolCall", "ToolResult", "ToolSet", "Trajectory", "Turn", "get_agent_loop", "register_agent_loop",
-           "run_agent", "run_agents"]
+           "run_agent", "run_agents", "summarize"]

@@ -6,7 +6,8 @@ environment turns between them), a response mask (1 = the engine generated the t
 not), the rollout log-prob and policy version of every response token (0 and -1 at mask 0), the
 per-turn records, the finish reason, per-turn rewards and reward extras, and per-trajectory metrics.
 Tokens only ever grow by `add_model_turn` (an engine `Completion`, verbatim) and `add_observation`
-(template tokens): nothing is re-tokenized from text. Imports only the standard library.
+(template tokens): nothing is re-tokenized from text. `summarize` turns a step's trajectories into
+step metrics. Imports only the standard library.
 """
 from __future__ import annotations
 
@@ -159,3 +160,19 @@ class Trajectory:
             record["prompt_text"] = tokenizer.decode(self.prompt_ids)
             record["response_text"] = tokenizer.decode(self.response_ids)
         return record
+
+
+def summarize(trajectories: list[Trajectory], prefix: str = "agent/") -> dict[str, float]:
+    """Step metrics: the mean of each per-trajectory metric (over the trajectories that report it), the
+    share of each finish reason, and the mean per-turn reward count."""
+    if not trajectories:
+        return {}
+    sums: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for key, value in traj.metrics.items():
+            sums.setdefault(key, []).append(float(value))
+    out = {f"{prefix}{key}": sum(values) / len(values) for key, values in sorted(sums.items())}
+    for reason in FINISH_REASONS:
+        out[f"{prefix}finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
+    out[f"{prefix}rewarded_turns"] = sum(len(t.turn_rewards()) for t in trajectories) / len(trajectories)
+    return out

@@ -6,7 +6,7 @@ import pytest
 from agent_helpers import encode, run
 
 from megarl.agent import (AGENT_LOOPS, AgentConfig, AgentContext, AgentSample, EngineLLM, Trajectory, get_agent_loop,
-                          run_agent)
+                          run_agent, summarize)
 from megarl.data.datasets import collate_prompts
 from megarl.rollout import SamplingParams
 from megarl.trainer.batching import requests
@@ -108,3 +108,19 @@ def test_trajectory_checks_and_record(tok):
         traj.check()
     with pytest.raises(ValueError, match="assistant turn"):
         Trajectory([1]).reward_turn(1.0)
+
+
+def test_summarize_averages_metrics_and_counts_finish_reasons():
+    a, b = Trajectory([1]), Trajectory([1])
+    a.add_model_turn([2, 3], [0.0, 0.0], 0)
+    a.reward_turn(1.0)
+    a.finalize(tool_calls=2)
+    b.add_model_turn([2], [0.0], 0)
+    b.add_observation("user", [4, 5, 6])
+    b.finish_reason = "max_turns"
+    b.finalize()
+    stats = summarize([a, b])
+    assert stats["agent/tool_calls"] == 2.0 and stats["agent/response_tokens"] == 3.0
+    assert stats["agent/masked_token_share"] == pytest.approx(0.375)
+    assert stats["agent/finish/stop"] == 0.5 and stats["agent/finish/max_turns"] == 0.5
+    assert stats["agent/rewarded_turns"] == 0.5 and summarize([]) == {}
