@@ -116,7 +116,16 @@ class AgentContext:
     def __post_init__(self):
         from megarl.agent.parsers import get_parser
 
-        self.parser = get_parser(self.config.tool_parser)  # unknown parser names fail here, before any work
+        # unknown names fail here, before any work
+        self.parser = get_parser(self.config.tool_parser)
+        get_agent_loop(self.config.default_agent)
+        from megarl.agent.env_loop import ENVIRONMENTS
+
+        ENVIRONMENTS.get(self.config.environment)
+        if self.config.openai_agent:
+            from megarl.agent.openai_agent import OPENAI_AGENTS
+
+            OPENAI_AGENTS.get(self.config.openai_agent)
         if self.toolset is None and self.config.tool_config is not None:
             from megarl.agent.tools import ToolSet
 

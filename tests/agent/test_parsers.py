@@ -46,7 +46,17 @@ def test_mistral_reads_tool_calls_json():
     assert "not valid JSON" in get_parser("mistral")("[TOOL_CALLS][{").calls[0].error
 
 
-def test_parsers_are_registered_and_unknown_names_fail_early(tok):
+def test_unknown_names_and_bad_limits_fail_when_the_context_is_built(tok):
     assert {"hermes", "pythonic", "mistral"} <= set(TOOL_PARSERS.names())
     with pytest.raises(ValueError, match="unknown tool parser 'qwen9'.*hermes"):
         AgentContext(tok, config=AgentConfig(tool_parser="qwen9"))
+    with pytest.raises(ValueError, match="unknown agent loop 'react'.*single_turn"):
+        AgentContext(tok, config=AgentConfig(default_agent="react"))
+    with pytest.raises(ValueError, match="unknown environment 'chess'"):
+        AgentContext(tok, config=AgentConfig(environment="chess"))
+    with pytest.raises(ValueError, match="no_such_module"):
+        AgentContext(tok, config=AgentConfig(openai_agent="no_such_module:solve"))
+    with pytest.raises(ValueError, match="max_assistant_turns must be >= 1"):
+        AgentConfig(max_assistant_turns=0)
+    with pytest.raises(ValueError, match="tool_response_truncate_side"):
+        AgentConfig(tool_response_truncate_side="top")
