@@ -111,8 +111,10 @@ async def call_maybe_async(fn, *args):
             result, error = fn(*args), None
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             result, error = None, exc
-        if not loop.is_closed():
+        try:
             loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop closed while a timed-out call was still running: nobody waits
+            pass
 
     threading.Thread(target=target, daemon=True, name=f"megarl-tool-{getattr(fn, '__qualname__', 'fn')}").start()
     return await future
