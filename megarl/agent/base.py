@@ -28,6 +28,11 @@ from megarl.utils.registry import Registry
 
 AGENT_LOOPS = Registry("agent loop", ("sample", "llm", "ctx"))
 """`async def loop(sample: AgentSample, llm: AgentLLM, ctx: AgentContext) -> Trajectory`."""
+ENVIRONMENTS = Registry("environment", ("sample",))
+"""Environment classes by name (`megarl.agent.env_loop`); `pkg.module:Class` or `file.py:Class` loads a user's."""
+OPENAI_AGENTS = Registry("openai agent", ("client", "sample"))
+"""User agent functions written against the `openai` client, by name (`megarl.agent.openai_agent`);
+`pkg.module:fn` or `file.py:fn` loads one."""
 
 _ROW_FIELDS = ("input_ids", "raw_prompt", "ground_truth", "data_source", "extra_info", "agent_name", "tools",
                "dataset_index", "seed")
@@ -118,13 +123,9 @@ class AgentContext:
 
         # unknown names fail here, before any work
         self.parser = get_parser(self.config.tool_parser)
-        get_agent_loop(self.config.default_agent)
-        from megarl.agent.env_loop import ENVIRONMENTS
-
+        get_agent_loop(self.config.default_agent)  # imports megarl.agent: every built-in is registered
         ENVIRONMENTS.get(self.config.environment)
         if self.config.openai_agent:
-            from megarl.agent.openai_agent import OPENAI_AGENTS
-
             OPENAI_AGENTS.get(self.config.openai_agent)
         if self.toolset is None and self.config.tool_config is not None:
             from megarl.agent.tools import ToolSet

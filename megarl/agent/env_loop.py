@@ -21,14 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.agent.base import AgentContext, AgentLLM, AgentSample, register_agent_loop
+from megarl.agent.base import ENVIRONMENTS, AgentContext, AgentLLM, AgentSample, register_agent_loop
 from megarl.agent.conversation import Conversation
 from megarl.agent.tools.base import call_maybe_async
 from megarl.agent.trajectory import Trajectory
-from megarl.utils.registry import Registry
-
-ENVIRONMENTS = Registry("environment", ("sample",))
-"""Environment classes by name; `pkg.module:Class` or `file.py:Class` loads a user's environment."""
 
 
 @dataclass

@@ -14,12 +14,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from megarl.agent.base import AgentContext, AgentLLM, AgentSample, register_agent_loop
+from megarl.agent.base import OPENAI_AGENTS, AgentContext, AgentLLM, AgentSample, register_agent_loop
 from megarl.agent.trajectory import Trajectory
-from megarl.utils.registry import Registry
-
-OPENAI_AGENTS = Registry("openai agent", ("client", "sample"))
-"""User agent functions by name; `pkg.module:fn` or `file.py:fn` loads one."""
 
 
 def chat_server(ctx: AgentContext):

@@ -13,14 +13,16 @@ from typing import Any
 
 from megarl.rollout.base import SamplingParams
 
+
+class RequestError(ValueError):
+    """A bad request: answered with HTTP 400 and the message."""
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def build_app(server):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
-
-    from megarl.agent.openai_server import RequestError
 
     app = FastAPI(title="megarl chat endpoint")
 
@@ -44,8 +46,6 @@ def build_app(server):
 
 def parse_request(body: dict[str, Any], base: SamplingParams) -> dict[str, Any]:
     """{messages, tools, tool_choice, params} of a request; bad fields raise naming the field."""
-    from megarl.agent.openai_server import RequestError
-
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects")
@@ -67,8 +67,6 @@ def parse_request(body: dict[str, Any], base: SamplingParams) -> dict[str, Any]:
 
 
 def _params(body: dict, base: SamplingParams) -> SamplingParams:
-    from megarl.agent.openai_server import RequestError
-
     fields = {}
     for key, name in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                       ("max_completion_tokens", "max_tokens"), ("max_tokens", "max_tokens")):

@@ -32,13 +32,10 @@ from typing import Any, Callable, Optional
 from megarl.agent.base import AgentLLM, EngineLLM
 from megarl.agent.chat import ChatRenderer
 from megarl.agent.config import AgentConfig
+from megarl.agent.openai_app import RequestError, build_app, parse_request
 from megarl.agent.parsers import get_parser
 from megarl.agent.trajectory import Trajectory
 from megarl.rollout.base import SamplingParams
-
-
-class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 and the message."""
 
 
 @dataclass
@@ -88,8 +85,6 @@ class ChatServer:
 
     def start(self, timeout_s: float = 30.0) -> "ChatServer":
         import uvicorn
-
-        from megarl.agent.openai_app import build_app
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -151,8 +146,6 @@ class ChatServer:
     # -- one request ------------------------------------------------------------------------------
     async def chat(self, body: dict, session_id: Optional[str]) -> dict:
         """Answer one chat-completions request (the FastAPI route calls this)."""
-        from megarl.agent.openai_app import parse_request
-
         request = parse_request(body, self.params)
         sid = session_id or body.get("user") or uuid.uuid4().hex
         session = self._session(sid)
