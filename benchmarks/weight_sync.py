@@ -1,32 +1,44 @@
-"""Benchmark: sharding-manager weight sync (reshard + transfer) against a plain copy of the same bytes.
+"""Benchmark: sharding-manager weight sync into rollout engines, per path, against a plain copy.
 
     python benchmarks/weight_sync.py            # ~100M-parameter Llama, TP2×PP2 → one rollout rank (TP1)
-    python benchmarks/weight_sync.py --quick    # ~7M parameters, seconds
-    python benchmarks/weight_sync.py --bucket-mb 16 --repeats 5
+    python benchmarks/weight_sync.py --quick    # ~5M parameters, seconds (plus vLLM's start-up)
+    python benchmarks/weight_sync.py --bucket-mb 16 --repeats 5 --no-vllm
 
-Four gloo ranks on CPU hold a randomly initialised megatron-core Llama at TP2×PP2; rank 0 is the
-rollout rank. Measured on rank 0, in the same run, alternating, best of --repeats:
-  * sync      — `ShardingManager.iter_weights()` fully consumed: per bucket one TP all-gather,
-                the PP stage-1 leader's send to rank 0, unshard + to_hf (QKV per group, gate/up,
-                vocab padding dropped) into HF tensors;
-  * per-param — the same manager and pipeline with one parameter per bucket;
-  * naive     — the per-tensor loop most exporters run: each stage walks its parameters with a
-                blocking TP all-gather per parameter (`ModelBridge.iter_hf_weights`), and the
-                stage-1 leader sends each HF tensor to rank 0 with a blocking send (names and
-                shapes exchanged once up front — more generous than per-tensor name broadcasts);
-  * copy      — `dst.copy_(src)` of the same number of bytes in one process (the memory floor);
-  * send      — one gloo send of the same bytes from rank 2 (stage 1) to rank 0 (the wire floor).
-Prints GB/s of each and the ratios sync/copy and sync/per-param. The model is never written to
-disk; weights are what megatron initialises. Also checks (once, before timing) that the synced
-tensors equal the bridge's reference export bit for bit.
+Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
+written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
+--repeats (times on rank 0, every rank between two barriers):
+  * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket one message
+                 per TP rank to rank 0, unshard + to_hf (QKV per group, gate/up, vocab padding
+                 dropped) into HF tensors;
+  * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
+                 engine in rank 0: the engine copies views of each bucket into its parameters;
+  * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine whose engine core is a child
+                 process of rank 0 (colocated placement): each bucket's shared-memory buffer crosses
+                 by handle as it is, vLLM's `reload_weights` loads it (this time is mostly vLLM's
+                 reload; skipped with --no-vllm or without vLLM);
+  * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
+                 gloo weight group (the server-mode path: one broadcast per bucket buffer, the
+                 receiver loads in place);
+  * per-param  — `gather` with one parameter per bucket;
+  * naive      — the per-tensor loop most exporters run: a blocking TP all-gather per parameter
+                 (`ModelBridge.iter_hf_weights`) and a blocking send per HF tensor to rank 0;
+  * copy       — `dst.copy_(src)` of the HF bytes in one process (the memory floor);
+  * send       — one gloo send of the gathered bytes from rank 2 (stage 1) to rank 0 (the wire floor).
+Prints GB/s (HF bytes / time) and, for every path, its ratio against `copy` (bytes/s, higher is
+better; 1.0 would be a sync as fast as copying the weights once in memory). Checks once, before
+timing, that the gathered tensors equal the bridge's reference export and that the engines hold
+the checkpoint's tensors bit for bit after a sync.
 """
 import argparse
 import os
+import tempfile
 import time
 
 import torch
 
 from megarl.models.layout import ParallelLayout
+
+LAYOUT = ParallelLayout(tp=2, pp=2)
 
 
 def model_config(quick: bool):
@@ -39,6 +51,13 @@ def model_config(quick: bool):
                           intermediate_size=2048)
 
 
+def write_checkpoint(quick: bool, path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(model_config(quick), dtype=torch.float32).save_pretrained(path)
+
+
 def timed(fn):
     import torch.distributed as dist
 
@@ -49,39 +68,115 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def bench_rank(quick: bool, bucket_mb: float, repeats: int):
+# -- the three sync paths (rank 0 holds the engine or sender; the other ranks pass None) -----------
+_VERSION = [0]
+
+
+def _sync(manager, sender):
+    _VERSION[0] += 1
+    return manager.sync(sender, version=_VERSION[0])
+
+
+def sync_in_process(manager, engine):
+    from megarl.rollout.sharding.senders import InPlaceSender
+
+    return _sync(manager, engine and InPlaceSender(engine))
+
+
+def sync_ipc(manager, engine):
+    from megarl.rollout.sharding.ipc import IpcSender
+
+    return _sync(manager, engine and IpcSender(engine))
+
+
+def sync_broadcast(manager, sender):
+    return _sync(manager, sender)
+
+
+def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
+    """Rank 0: {path: engine or sender} (the vLLM engine core starts in a child process here)."""
+    from megarl.rollout.embedded import EmbeddedEngine
+    from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
+
+    engines = {"in-process": EmbeddedEngine(hf_dir),
+               "broadcast": BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600))}
+    if use_vllm:
+        from megarl.rollout.vllm_engine import VLLMEngine
+
+        engines["ipc"] = VLLMEngine(hf_dir, in_process=False, update_bucket_bytes=bucket_bytes)
+    return engines
+
+
+def broadcast_receiver(hf_dir: str, port: int, threads: int) -> None:
+    """The engine-server side of the broadcast path: an embedded engine taking every update."""
+    torch.set_num_threads(threads)
+    from megarl.rollout.embedded import EmbeddedEngine
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
+
+    receiver = BroadcastReceiver(WeightGroup("127.0.0.1", port, 1, 2, timeout_s=600), EmbeddedEngine(hf_dir))
+    while receiver.receive_update() is not None:
+        pass
+
+
+def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: int, use_vllm: bool):
     import torch.distributed as dist
 
     from megarl.models.bridge import ModelBridge
     from megarl.models.runtime import init_megatron, ranks
     from megarl.rollout.sharding.manager import ShardingManager
 
-    layout = ParallelLayout(tp=2, pp=2)
-    init_megatron(layout)
+    init_megatron(LAYOUT)
     tp_rank, pp_rank, _ = ranks()
     rank = dist.get_rank()
-    bridge = ModelBridge(model_config(quick), layout)
+    bridge = ModelBridge.from_hf_path(hf_dir, LAYOUT)
     chunks = bridge.build(pp_rank)
+    bridge.load_hf_weights(chunks, hf_dir, tp_rank=tp_rank, pp_rank=pp_rank)
     fast = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20))
     per_param = ShardingManager(bridge, chunks, bucket_bytes=1)
     total = fast.plan.total_bytes
     hf_bytes = sum(torch.Size(s.shape).numel() * 4 for s in fast.hf_specs())
 
-    def consume(manager):
-        def run():
-            for _name, tensor in manager.iter_weights():
-                pass  # an engine would copy `tensor` into its parameter here
-        return run
-
-    numel = total // 4
     rss_before = _max_rss_mb()
-    consume(fast)()  # first sync: how far does rank 0's peak memory grow?
+    _consume(fast)()  # first sync: how far does rank 0's peak memory grow?
     rss_growth = _max_rss_mb() - rss_before
     check = _check_against_reference(fast, bridge, chunks, pp_rank)
+    engines = make_engines(hf_dir, port, use_vllm, fast.bucket_bytes) if rank == 0 else {}
+    paths = {"gather": _consume(fast), "in-process": lambda: sync_in_process(fast, engines.get("in-process")),
+             "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast"))}
+    if use_vllm:
+        paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc"))
+    paths.update({"per-param": _consume(per_param), "naive": _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank)})
+    paths.update(_baselines(rank, total, hf_bytes))
+    engines_exact = _engines_hold_checkpoint(paths, engines, hf_dir)
+    times = {name: [] for name in paths}
+    for _ in range(repeats):  # alternate, so machine load hits all alike
+        for name, fn in paths.items():
+            times[name].append(timed(fn))
+    if rank != 0:
+        return None
+    engines["broadcast"].close()
+    if "ipc" in engines:
+        engines["ipc"].shutdown()
+    return dict(times={k: min(v) for k, v in times.items()}, total=total, hf_bytes=hf_bytes,
+                buckets=len(fast.plan.buckets), per_param_buckets=len(per_param.plan.buckets),
+                largest_bucket=max(b.nbytes for b in fast.plan.buckets), check=check, engines_exact=engines_exact,
+                params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
+                exchanges=fast.metadata_exchanges, rss_growth=rss_growth)
 
-    src = torch.randn(numel) if rank == 0 else None
-    dst = torch.empty(numel) if rank == 0 else None
-    wire = torch.randn(numel) if rank in (0, 2) else None
+
+def _consume(manager):
+    def run():
+        for _name, _tensor in manager.iter_weights():
+            pass  # an engine would copy `tensor` into its parameter here
+    return run
+
+
+def _baselines(rank: int, total: int, hf_bytes: int) -> dict:
+    import torch.distributed as dist
+
+    src = torch.randn(hf_bytes // 4) if rank == 0 else None
+    dst = torch.empty(hf_bytes // 4) if rank == 0 else None
+    wire = torch.randn(total // 4) if rank in (0, 2) else None
 
     def copy():
         if rank == 0:
@@ -92,22 +187,22 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int):
             dist.send(wire, dst=0)
         elif rank == 0:
             dist.recv(wire, src=2)
+    return {"copy": copy, "send": send}
 
-    naive = _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank)
-    times = {k: [] for k in ("sync", "per-param", "naive", "copy", "send")}
-    for _ in range(repeats):  # alternate, so machine load hits all alike
-        times["sync"].append(timed(consume(fast)))
-        times["per-param"].append(timed(consume(per_param)))
-        times["naive"].append(timed(naive))
-        times["copy"].append(timed(copy))
-        times["send"].append(timed(send))
-    if rank != 0:
-        return None
-    return dict(times={k: min(v) for k, v in times.items()}, total=total, hf_bytes=hf_bytes,
-                buckets=len(fast.plan.buckets), per_param_buckets=len(per_param.plan.buckets),
-                largest_bucket=max(b.nbytes for b in fast.plan.buckets), check=check,
-                params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
-                exchanges=fast.metadata_exchanges, rss_growth=rss_growth)
+
+def _engines_hold_checkpoint(paths, engines, hf_dir) -> dict:
+    """One sync per engine path; then the embedded engine's tensors against the checkpoint (rank 0)."""
+    from safetensors.torch import load_file
+
+    for name in ("in-process", "broadcast", "ipc"):
+        if name in paths:
+            paths[name]()
+    if not engines:
+        return {}
+    checkpoint = load_file(os.path.join(hf_dir, "model.safetensors"))
+    params = engines["in-process"]._params
+    return {"in-process": params.keys() == checkpoint.keys() and all(torch.equal(params[n], t)
+                                                                      for n, t in checkpoint.items())}
 
 
 def _max_rss_mb() -> float:
@@ -155,33 +250,54 @@ def _check_against_reference(manager, bridge, chunks, pp_rank):
     return reference.keys() == synced.keys() and all(torch.equal(synced[k], reference[k]) for k in reference)
 
 
+def report(result, bucket_mb: float) -> None:
+    gb = result["hf_bytes"] / 1e9
+    print(f"model: {result['params'] / 1e6:.1f}M parameters; {result['total'] / 1e9:.3f} GB gathered at TP2×PP2 →"
+          f" {gb:.3f} GB of HF tensors (fp32) on the rollout rank")
+    print(f"plan: {result['buckets']} buckets of ≤ {bucket_mb:g} MiB (largest {result['largest_bucket'] / 2**20:.1f}"
+          f" MiB); per-param plan: {result['per_param_buckets']} buckets; metadata exchanges: {result['exchanges']}")
+    print(f"gathered tensors equal the bridge's reference export: {result['check']};"
+          f" engines hold the checkpoint bit for bit: {result['engines_exact']}")
+    print(f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
+          f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)")
+    t = result["times"]
+    for name, seconds in t.items():
+        print(f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}")
+    print("ratio vs copy (bytes/s): " + "   ".join(f"{name} {t['copy'] / t[name]:.3f}"
+                                                 for name in ("gather", "in-process", "ipc", "broadcast") if name in t))
+    print(f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"
+          f" {t['naive'] / t['gather']:.2f}x   over per-param: {t['per-param'] / t['gather']:.2f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small model (~7M parameters)")
+    parser.add_argument("--quick", action="store_true", help="small model (~5M parameters)")
     parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size bound in MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the IPC path (a vLLM CPU engine)")
     args = parser.parse_args()
 
-    from megarl.utils.distributed import run_distributed
+    import torch.multiprocessing as mp
 
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    result = run_distributed(bench_rank, 4, args.quick, args.bucket_mb, args.repeats, num_threads=args.threads,
-                             timeout=1800)[0]
-    gb = result["total"] / 1e9
-    print(f"model: {result['params'] / 1e6:.1f}M parameters; {gb:.3f} GB gathered at TP2×PP2 → {result['hf_bytes'] / 1e9:.3f}"
-          f" GB of HF tensors (fp32) on the rollout rank")
-    print(f"plan: {result['buckets']} buckets of ≤ {args.bucket_mb:g} MiB (largest {result['largest_bucket'] / 2**20:.1f}"
-          f" MiB); per-param plan: {result['per_param_buckets']} buckets; metadata exchanges: {result['exchanges']}")
-    print(f"synced tensors equal the bridge's reference export: {result['check']}")
-    print(f"rank 0 peak RSS growth during the first sync: {result['rss_growth']:.0f} MiB (bucket bound"
-          f" {args.bucket_mb:g} MiB, largest bucket {result['largest_bucket'] / 2**20:.0f} MiB; model"
-          f" {result['hf_bytes'] / 2**20:.0f} MiB)")
-    for name, seconds in result["times"].items():
-        print(f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s")
-    t = result["times"]
-    print(f"ratio sync/copy (bytes/s): {t['copy'] / t['sync']:.3f}   sync/send: {t['send'] / t['sync']:.3f}"
-          f"   speedup over naive: {t['naive'] / t['sync']:.2f}x   over per-param: {t['per-param'] / t['sync']:.2f}x")
+    from megarl.rollout import vllm_available
+    from megarl.utils.distributed import free_port, run_distributed
+
+    use_vllm = not args.no_vllm and vllm_available()
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; ipc path: {use_vllm}")
+    with tempfile.TemporaryDirectory(prefix="megarl-weight-sync-") as hf_dir:
+        write_checkpoint(args.quick, hf_dir)
+        port = free_port()
+        receiver = mp.get_context("spawn").Process(target=broadcast_receiver, args=(hf_dir, port, args.threads))
+        receiver.start()
+        try:
+            result = run_distributed(bench_rank, 4, args.quick, args.bucket_mb, args.repeats, hf_dir, port, use_vllm,
+                                     num_threads=args.threads, timeout=3600)[0]
+        finally:
+            receiver.join(timeout=60)
+            if receiver.is_alive():
+                receiver.kill()
+    report(result, args.bucket_mb)
 
 
 if __name__ == "__main__":

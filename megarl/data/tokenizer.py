@@ -2,8 +2,9 @@
 
 Owns `build_tiny_tokenizer`: one token per printable ASCII character plus newline and tab, the
 special tokens `<pad>`, `<unk>`, `<s>`, `</s>`, `<|im_start|>`, `<|im_end|>`, and a ChatML chat
-template. It is a real `transformers.PreTrainedTokenizerFast`, so every code path that takes an
-HF tokenizer (datasets, rollout, rewards) runs unchanged with tiny models.
+template that also renders tools, tool calls and tool results (Hermes style, as Qwen2.5 does). It is
+a real `transformers.PreTrainedTokenizerFast`, so every code path that takes an HF tokenizer
+(datasets, rollout, rewards, agent loops) runs unchanged with tiny models.
 Imports only `tokenizers` and `transformers` (CPU, no megatron / vLLM / Ray).
 """
 from __future__ import annotations
@@ -23,6 +24,48 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+"""Plain ChatML: what the tiny tokenizer renders for conversations without tools."""
+
+TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within"
+    " <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\":"
+    " <args-json-object>}\n</tool_call>"
+)
+CHATML_TOOLS_TEMPLATE = (
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}"
+    "{% set ns.start = 1 %}{% endif %}"
+    "{{ '" + TOOLS_HEADER.replace("\n", "\\n") + "' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_FOOTER.replace("\n", "\\n") + "<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set call = call['function'] if call.get('function') else call %}"
+    "{% set args = call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson) %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + args + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML plus Hermes-style tools as Qwen2.5 renders them: a `# Tools` system section listing the
+OpenAI function schemas in `<tools>`, assistant `tool_calls` as `<tool_call>{json}</tool_call>`, and
+consecutive `tool` messages in one user turn of `<tool_response>` blocks. Without tools and tool
+messages it renders exactly what `CHATML_TEMPLATE` renders."""
 
 assert set(string.digits + string.ascii_letters + string.punctuation + " ") <= set(CHARACTERS)
 
@@ -60,7 +103,7 @@ def build_tiny_tokenizer(save_dir: str | None = None):
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
     if save_dir is not None:
         tokenizer.save_pretrained(save_dir)
     return tokenizer

@@ -77,6 +77,24 @@ class Mapping:
             return shards[0]
         return torch.cat(list(shards), dim=self.tp_dim)
 
+    def unshard_to_hf(self, shards: Sequence[torch.Tensor], dims: ModelDims, out: torch.Tensor) -> list[torch.Tensor]:
+        """`to_hf(unshard(shards))` written once into the flat buffer `out`; returns the HF tensors as views.
+
+        The HF tensors lie in `out` one after another, contiguous, in `self.hf` order, from offset 0
+        (`out` needs their total numel). One shard (TP1, or a replicated weight) converts that shard.
+        The generic rule materialises the TP1 tensor first; concatenation (this class and vocab),
+        QKV and gate/up write straight from the shards. A subclass that changes `unshard` or `to_hf`
+        gets the generic rule unless it overrides this method too.
+        """
+        plain = type(self).unshard is Mapping.unshard and type(self).to_hf is Mapping.to_hf
+        if plain and self.tp_dim is not None and len(shards) > 1:
+            shape = list(shards[0].shape)
+            shape[self.tp_dim] = sum(s.shape[self.tp_dim] for s in shards)
+            full = _flat_view(out, 0, shape)
+            torch.cat(list(shards), dim=self.tp_dim, out=full)
+            return [full]
+        return write_flat(self.to_hf(self.unshard(shards), dims), out)
+
     def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
         """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
         def fill(name: str) -> str:
@@ -102,6 +120,18 @@ class VocabMapping(Mapping):
 
     def to_hf(self, full, dims):
         return [full[: dims.vocab_size]]
+
+    def unshard_to_hf(self, shards, dims, out):
+        """The real vocabulary rows of the shards, in rank order; padding rows are never copied."""
+        full = _flat_view(out, 0, (dims.vocab_size, *shards[0].shape[1:]))
+        row = 0
+        for shard in shards:
+            take = min(shard.shape[0], dims.vocab_size - row)
+            if take <= 0:
+                break
+            full[row:row + take].copy_(shard[:take])
+            row += take
+        return [full]
 
 
 @dataclass(frozen=True)
@@ -133,6 +163,25 @@ class QKVMapping(Mapping):
         q, k, v = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
         return [t.reshape(-1, *rest) for t in (q, k, v)]
 
+    def unshard_to_hf(self, shards, dims, out):
+        """q, k, v straight from the shards (whole query groups each), split per group in one pass."""
+        groups, head_dim = dims.num_kv_heads, dims.head_dim
+        q_rows = dims.num_heads // groups * head_dim
+        rest = tuple(shards[0].shape[1:])
+        q = _flat_view(out, 0, (groups, q_rows, *rest))
+        k = _flat_view(out, q.numel(), (groups, head_dim, *rest))
+        v = _flat_view(out, q.numel() + k.numel(), (groups, head_dim, *rest))
+        start = 0
+        for shard in shards:
+            local = shard.reshape(-1, q_rows + 2 * head_dim, *rest)
+            count = local.shape[0]
+            for target, part in zip((q, k, v), local.split([q_rows, head_dim, head_dim], dim=1)):
+                target[start:start + count].copy_(part)
+            start += count
+        if start != groups:
+            raise ValueError(f"{self.mcore}: the shards hold {start} query groups, the model has {groups}")
+        return [t.view(-1, *rest) for t in (q, k, v)]
+
 
 @dataclass(frozen=True)
 class GateUpMapping(Mapping):
@@ -153,6 +202,32 @@ class GateUpMapping(Mapping):
     def unshard(self, shards):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+    def unshard_to_hf(self, shards, dims, out):
+        """Every shard is [gate_r; up_r]: the gate halves, then the up halves, concatenated into `out`."""
+        halves = [s.chunk(2, dim=0) for s in shards]
+        full = _flat_view(out, 0, (sum(s.shape[0] for s in shards), *shards[0].shape[1:]))
+        torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=full)
+        return list(full.chunk(2, dim=0))
+
+
+def _flat_view(out: torch.Tensor, offset: int, shape) -> torch.Tensor:
+    """`out[offset:offset + numel]` viewed as `shape` (out is a flat, contiguous buffer)."""
+    numel = torch.Size(shape).numel()
+    if offset + numel > out.numel():
+        raise ValueError(f"the output buffer holds {out.numel()} elements; {offset + numel} are needed")
+    return out[offset:offset + numel].view(shape)
+
+
+def write_flat(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
+    """Copy `tensors` one after another into the flat buffer `out`; returns them as views of `out`."""
+    views, offset = [], 0
+    for tensor in tensors:
+        view = _flat_view(out, offset, tensor.shape)
+        view.copy_(tensor)
+        views.append(view)
+        offset += tensor.numel()
+    return views
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Rollout: engines that generate with the current policy, and the weight sync that feeds them.
 
 Modules: `base` (the engine contract: `SamplingParams`, `Completion`, `RolloutEngine`,
-`WeightUpdateError`), `vllm_engine` (vLLM in-process; the production backend), `embedded`
-(`transformers`; the fallback where vLLM is absent), `server` (engines as Ray actors that
-receive weights by broadcast), `sharding` (the planner and transports of the sharding manager).
+`WeightUpdateError`), `vllm_engine` (vLLM in-process; the production backend), `vllm_patches`
+(the fixes vLLM's in-place reload needs, with their version checks), `embedded` (`transformers`;
+the fallback where vLLM is absent), `server` (engines as Ray actors that receive weights by
+broadcast), `sharding` (the sharding manager's planner, the weight-sync protocol — `FlatBucket`,
+`Sender` — and its senders: in place, IPC, broadcast).
 Importing this package does not import vLLM, Ray or megatron.
 """
 from __future__ import annotations

@@ -1,18 +1,27 @@
 """The rollout-engine contract: async, per request, with validated in-place weight updates.
 
-Owns: `SamplingParams`, `Completion`, `WeightUpdateError` and `RolloutEngine`, the base class of
-the vLLM backend (`vllm_engine.py`) and the embedded `transformers` engine (`embedded.py`).
-Imports only torch and the standard library (no vLLM, Ray or megatron).
+Owns: `SamplingParams`, `Completion` and `RolloutEngine`, the base class of the vLLM backend
+(`vllm_engine.py`) and the embedded `transformers` engine (`embedded.py`); re-exports
+`WeightUpdateError` (defined with the weight-sync protocol, `sharding/protocol.py`).
+Imports torch, the standard library and the weight-sync protocol (`sharding.plan`, `.protocol`,
+`.senders`; no vLLM, Ray or megatron).
 
 Requests are per prompt (`await engine.generate(prompt_ids, params)` → `n` completions) so
 single-turn rollouts, multi-turn agent loops and asynchronous training share one API. Engines
 batch concurrent requests themselves: `generate` queues the request and one background batch
 at a time runs in a worker thread (`_generate_requests`).
 
-Weight updates (`update_weights`) take an iterable of (HF name, tensor) and are checked against
-the engine model's HF names and shapes *before* anything is loaded (`check_update`): a wrong name
-or shape raises `WeightUpdateError` naming the tensor, and the engine keeps serving the previous
-version. A successful update bumps `version` (the policy version stamped on every completion).
+Weights arrive through the weight-sync protocol (`sharding/protocol.py`): a `Sender` checks an
+update's names and shapes against `check_update` *before* anything is loaded (a wrong name or
+shape raises `WeightUpdateError` naming the tensor, and the engine keeps serving the previous
+version), then streams the tensors into `load(weights, version)`, which stamps the policy version
+every later completion carries. `update_weights(list of (HF name, tensor))` is the convenience
+entry for tests and tools: it runs the same protocol with the engine's own sender (`sender_for`).
+
+Log-probs (the temperature contract): a completion's log-probs are those of the distribution each
+token was sampled from — log_softmax(logits / temperature), restricted to the top-k / top-p set
+when those are on; temperature 1 when greedy — which is what the actor computes for
+`old_log_probs` (its log-prob head divides the logits by the rollout temperature).
 """
 from __future__ import annotations
 
@@ -25,8 +34,11 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from megarl.rollout.sharding.plan import HFSpec
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec
+from megarl.rollout.sharding.protocol import WeightUpdateError, bucket_tensors
+from megarl.rollout.sharding.senders import sender_for
 
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "check_specs"]
 WeightStream = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -46,7 +58,13 @@ class SamplingParams:
     """Generation ends after any of these (the stop token is kept in `token_ids`)."""
     seed: Optional[int] = None
     logprobs: bool = True
-    """Return the log-prob of every sampled token (raw model distribution, temperature 1)."""
+    """Return the log-prob of every sampled token under the distribution it was sampled from:
+    log_softmax(logits / temperature) (greedy: temperature 1), which is what the actor computes for
+    `old_log_probs` at the rollout temperature. Exact for top_p = 1 and top_k = 0. With top_p < 1
+    or top_k > 0 the distribution is the truncated one (tokens outside the top-k / top-p set get
+    probability 0, the rest are renormalised: vLLM's "processed_logprobs"), so a token's rollout
+    log-prob is ≥ the actor's full-vocabulary one: the mismatch metrics and truncated importance
+    weights then also measure the truncation, not only engine/trainer differences."""
 
     def __post_init__(self):
         if self.n < 1 or self.max_tokens < 1:
@@ -65,15 +83,11 @@ class Completion:
 
     token_ids: list[int]
     logprobs: Optional[list[float]]
-    """log π(token_t | prefix) per generated token, under the raw model distribution."""
+    """log π(token_t | prefix) per generated token, at the sampling temperature (see `SamplingParams.logprobs`)."""
     finish_reason: str
     """"stop" (a stop token was generated) or "length" (max_tokens reached)."""
     version: int = 0
     """Policy version of the weights that generated it."""
-
-
-class WeightUpdateError(ValueError):
-    """A weight update does not fit the engine's model; nothing was loaded."""
 
 
 @dataclass
@@ -85,6 +99,14 @@ class _Request:
 
 class RolloutEngine(ABC):
     """Base class: request batching, version bookkeeping and update validation."""
+
+    in_process = True
+    """The model lives in this process (weights are loaded in place); False: by IPC (`sender_for`)."""
+    holds_update_tensors = False
+    """`_load_weights` may keep references to streamed tensors until it returns (vLLM's layer-wise
+    reload does), so producers must not reuse a tensor's memory within an update."""
+    update_bucket_bytes = DEFAULT_BUCKET_BYTES
+    """Bucket bound of `update_weights` (a list of tensors is bucketed like a sync)."""
 
     def __init__(self):
         self.version = 0
@@ -173,22 +195,24 @@ class RolloutEngine(ABC):
         """Raise `WeightUpdateError` naming the first tensor that does not fit; loads nothing."""
         check_specs(self.expected_weights(), specs, partial=partial, engine=self.describe())
 
-    def update_weights(self, weights: WeightStream, *, specs: Optional[Sequence[HFSpec]] = None,
-                       partial: bool = False, version: Optional[int] = None) -> int:
-        """Load HF-named tensors in place; returns the new policy version.
+    def update_weights(self, weights: WeightStream, *, partial: bool = False, version: Optional[int] = None) -> int:
+        """Load HF-named tensors (tests, tools); returns the new policy version (default: current + 1).
 
-        Without `specs` the iterable is materialised (references only) and checked before loading.
-        With `specs` (what the sharding manager sends) the check uses them and the tensors stream
-        through, each compared with its spec as it arrives.
+        The same protocol as a sync: checked first (nothing loads if any tensor does not fit), then
+        bucketed (`update_bucket_bytes`) and sent by this engine's sender (`sender_for`).
         """
-        if specs is None:
-            weights = [(name, tensor) for name, tensor in weights]
-            specs = [HFSpec(name, tuple(t.shape), t.dtype) for name, t in weights]
-        self.check_update(specs, partial=partial)
+        weights = [(name, tensor) for name, tensor in weights]
+        sender = sender_for(self)
+        sender.check([HFSpec(name, tuple(t.shape), t.dtype) for name, t in weights], partial=partial)
+        buckets = bucket_tensors(weights, self.update_bucket_bytes, shared=sender.shares_buffers)
+        return sender.send(buckets, self.version + 1 if version is None else version)
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
+        """Copy already-checked tensors in place and take policy `version` (an in-place sender calls this)."""
         with self._lock:
-            self._load_weights(_checked_stream(weights, specs))
-            self.version = self.version + 1 if version is None else version
-        return self.version
+            self._load_weights(weights)
+            self.version = version
+        return version
 
     @abstractmethod
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -220,16 +244,6 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | t
         raise WeightUpdateError(
             f"weight update lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}; nothing was loaded"
             " (pass partial=True to update a subset)")
-
-
-def _checked_stream(weights: WeightStream, specs: Sequence[HFSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors, failing loudly if one differs from what was announced."""
-    announced = {s.name: tuple(s.shape) for s in specs}
-    for name, tensor in weights:
-        if announced.get(name) != tuple(tensor.shape):
-            raise WeightUpdateError(f"tensor {name!r} with shape {tuple(tensor.shape)} was not announced"
-                                    f" (announced: {announced.get(name)}); the update is incomplete")
-        yield name, tensor
 
 
 def run_sync(coro):

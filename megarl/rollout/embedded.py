@@ -3,7 +3,9 @@
 Owns: `EmbeddedEngine`. A plain KV-cached sampling loop over an `AutoModelForCausalLM` (greedy,
 temperature, top-k, top-p, stop tokens, per-request seeds); requests are grouped by prompt
 length and sampling params so no padding enters the attention (greedy output equals
-`transformers.generate` on the single prompt). Log-probs are of the raw model distribution.
+`transformers.generate` on the single prompt). Log-probs are those of the distribution each token
+was sampled from: log_softmax(logits / temperature) after top-k / top-p (greedy: temperature 1),
+as vLLM's "processed_logprobs" (`SamplingParams.logprobs`).
 Weight updates copy HF-named tensors into the parameters (`named_parameters`, so tied
 embeddings are one tensor), strict names and shapes. Names are the checkpoint's (what
 `save_pretrained` writes, vLLM loads and the sharding manager sends): for MoE families, whose
@@ -105,9 +107,9 @@ class EmbeddedEngine(RolloutEngine):
         tokens, logps = [], []
         done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
         for _ in range(params.max_tokens):
-            token = _pick(logits, params, generator)
+            token, logp = _pick(logits, params, generator)
             tokens.append(token)
-            logps.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
+            logps.append(logp)
             done |= torch.isin(token, stops)
             if bool(done.all()) or len(tokens) == params.max_tokens:
                 break
@@ -125,21 +127,29 @@ class EmbeddedEngine(RolloutEngine):
         return scores
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """Next token per row: argmax when greedy, else temperature / top-k / top-p sampling."""
+def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token, its log-prob) per row: argmax when greedy (log-prob at temperature 1), else a
+    sample of the temperature / top-k / top-p distribution and its log-prob under that distribution."""
     if params.greedy:
-        return logits.argmax(-1)
-    scaled = logits / params.temperature
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+    scaled = _truncated(logits / params.temperature, params)
+    token = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+    return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
+
+
+def _truncated(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Top-k, then top-p (the smallest set of top tokens holding ≥ top_p of the mass), as vLLM: -inf elsewhere."""
     if params.top_k and params.top_k > 0:
         kth = scaled.topk(min(params.top_k, scaled.shape[-1]), -1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = scaled.sort(-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # the mass above a token already reaches top_p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = scaled.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return scaled
 
 
 def _completions(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor, params) -> list[Completion]:

@@ -4,8 +4,8 @@ Owns: `EngineServer` (an engine inside an async Ray actor: concurrent `generate`
 batched by the engine; weight updates arrive over a `WeightGroup` from one trainer rank) and
 `launch_engine_servers` / `connect_servers`, the driver-side helpers. The trainer rank that
 holds the gathered weights (the sharding manager's rollout rank) is rank 0 of the weight group
-and calls `ShardingManager.sync(sender=BroadcastSender(group))`; the driver asks every server to
-`receive_update()` for each sync. On CPU the group is gloo (tested with the embedded engine and
+and calls `ShardingManager.sync(BroadcastSender(group), version)`; the driver asks every server to
+`receive_update()` for each sync (the server's engine takes the policy version the trainer sends). On CPU the group is gloo (tested with the embedded engine and
 the vLLM CPU build); on GPU pass backend="nccl".
 
 Imports Ray only inside the helpers, so the module imports without it.

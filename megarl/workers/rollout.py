@@ -67,6 +67,7 @@ class Rollout:
         import torch.distributed as dist
 
         from megarl.rollout import create_engine
+        from megarl.rollout.sharding.senders import sender_for
 
         ro = cfg.rollout
         self.rank = dist.get_rank()
@@ -80,6 +81,7 @@ class Rollout:
                 # exactly this rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
                 kwargs.update(in_process=False, visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
+        self.sender = None if self.engine is None else sender_for(self.engine)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         register_local(self.name, self)
 
@@ -98,11 +100,7 @@ class Rollout:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""
         actor = local_role("actor")
         with device_mode(), actor.resident():
-            self.manager.sync(self.engine)
-        if self.engine is None:
-            return None
-        self.engine.version = actor.engine.step
-        return self.engine.version
+            return self.manager.sync(self.sender, version=actor.engine.step)
 
     def version(self) -> Optional[int]:
         return None if self.engine is None else self.engine.version
@@ -156,11 +154,8 @@ class RolloutSender:
         if not self.sends:
             return None
         actor = local_role("actor")
-        if self.sender is not None:
-            self.sender.version = actor.engine.step
         with device_mode(), actor.resident():
-            self.manager.sync(sender=self.sender)
-        return actor.engine.step if self.rank == 0 else None
+            return self.manager.sync(self.sender, version=actor.engine.step)
 
     def close(self) -> None:
         """Rank 0: release the servers from their receive loop."""

@@ -117,10 +117,12 @@ def check_sync(snaps, actor, weights, actor_path, atol):
 def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="embedded"):
     """Every rank of the actor; the rollout rank hosts the engine (colocated). Sync, perturb, sync, sync."""
     from megarl.rollout.sharding.manager import ShardingManager
+    from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, layout)
     manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
     engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
+    sender = sender_for(engine) if engine is not None else None
     snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank}
 
     def snapshot(tag):
@@ -130,13 +132,13 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
 
     try:
         snapshot("before")
-        out["version1"] = manager.sync(engine)
+        out["version1"] = manager.sync(sender, version=1)
         snapshot("synced")
         perturb_layers(chunks)
-        manager.sync(engine)
+        manager.sync(sender, version=2)
         snapshot("perturbed")
         reference = reference_export(bridge, chunks)
-        out["version3"] = manager.sync(engine)
+        out["version3"] = manager.sync(sender, version=3)
         snapshot("resynced")
         if engine is not None:
             out["weights"] = reference
@@ -154,21 +156,23 @@ def ep_sync_rank(actor_path, engine_path, layout, sequences):
     """An expert-parallel actor synced into an embedded engine on rank 0: the engine's tensors after a
     sync and after a perturbed re-sync, the bridge's EP-gathered export, and log-probs of both sides."""
     from megarl.rollout.sharding.manager import ShardingManager
+    from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, layout)
     manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10)
     engine = _make_engine("embedded", engine_path) if manager.is_rollout_rank else None
+    sender = sender_for(engine) if engine is not None else None
     out = {"rollout": manager.is_rollout_rank, "buckets": len(manager.plan.buckets),
            "sources": sorted({b.source for b in manager.plan.buckets})}
     if engine is not None:
         out["before"] = torch.tensor(engine.score(sequences.tolist()))
-    manager.sync(engine)
+    manager.sync(sender, version=1)
     out["actor"] = actor_log_probs(chunks, bridge, sequences)
     if engine is not None:
         out["synced"] = {n: t.clone() for n, t in engine._params.items()}
         out["scores"] = torch.tensor(engine.score(sequences.tolist()))
     perturb_layers(chunks)
-    manager.sync(engine)
+    manager.sync(sender, version=2)
     reference = reference_export(bridge, chunks)
     if engine is not None:
         out["perturbed_equals_reference"] = set(reference) == set(engine._params) and all(
@@ -182,8 +186,9 @@ def _make_engine(backend, path):
     return create_engine(path, backend=backend)
 
 
-def actor_sender_rank(actor_path, layout, sequences, port, steps):
-    """Every rank of the actor: sync after each step of `steps` ("sync", "perturb", "score_sampled")."""
+def actor_sender_rank(actor_path, layout, sequences, port, steps, first_version=1):
+    """Every rank of the actor: sync after each step of `steps` ("sync", "perturb", "score_sampled"),
+    as policy versions first_version, first_version + 1, ..."""
     import torch.distributed as dist
 
     from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
@@ -203,7 +208,7 @@ def actor_sender_rank(actor_path, layout, sequences, port, steps):
             dist.broadcast_object_list(box, src=manager.rollout_ranks[0])
             out["sampled_actor"] = actor_log_probs(chunks, bridge, box[0])
         else:
-            out["versions"].append(manager.sync(sender=sender))
+            out["versions"].append(manager.sync(sender, version=first_version + len(out["versions"])))
             out["actor"][step] = actor_log_probs(chunks, bridge, sequences)
     if sender:
         sender.close()
@@ -212,14 +217,15 @@ def actor_sender_rank(actor_path, layout, sequences, port, steps):
 
 
 def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
-    """Run the actor ranks in a thread while this thread receives each update into `engine`."""
+    """Run the actor ranks in a thread while this thread receives each update into `engine`
+    (policy versions continue from the engine's)."""
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
     from megarl.testing.dist import free_port, run_distributed
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(run_distributed, actor_sender_rank, layout.min_world_size, str(actor_path), layout,
-                             fixed_sequences(), port, steps, timeout=240)
+                             fixed_sequences(), port, steps, engine.version + 1, timeout=240)
         group = WeightGroup("127.0.0.1", port, 1, 2, timeout_s=120)
         receiver = BroadcastReceiver(group, engine)
         for step in steps:

@@ -41,3 +41,9 @@ def test_create_engine_prefers_vllm_and_falls_back_to_embedded(monkeypatch, roll
     assert isinstance(rollout.create_engine(rollout_models["llama"]), EmbeddedEngine)
     with pytest.raises(ValueError, match="auto, vllm, embedded"):
         rollout.create_engine(rollout_models["llama"], backend="sglang")
+
+
+def test_temperature_contract(engine, rollout_models):
+    from rollout_api_checks import check_temperature_contract
+
+    check_temperature_contract(engine, rollout_models["llama_other"])

@@ -31,7 +31,7 @@ def sender_rank(actor_path, layout, port, world_size):
     manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
     sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, world_size, timeout_s=120)) \
         if manager.is_rollout_rank else None
-    return manager.sync(sender=sender)
+    return manager.sync(sender, version=1)
 
 
 def greedy(servers):
@@ -62,7 +62,7 @@ def test_two_engine_servers_receive_the_same_weights_by_broadcast(ray_cluster, r
     ray.get(joins)
     updates = [s.receive_update.remote() for s in servers]
     with pytest.raises(WeightUpdateError, match="model.layers.0.self_attn.q_proj.weight"):
-        sender.update([("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64))])
+        sender.update([("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 64))], version=2)
     for ref in updates:
         with pytest.raises(Exception, match="q_proj"):
             ray.get(ref)
@@ -86,7 +86,7 @@ def test_vllm_engine_server_receives_a_broadcast_update(ray_cluster, rollout_mod
     ray.get(join)
     update = server.receive_update.remote()
     weights = load_file(str(rollout_models["qwen3"] / "model.safetensors"))
-    assert sender.update(sorted(weights.items())) == 1
+    assert sender.update(sorted(weights.items()), version=1) == 1
     assert ray.get(update) == 1
     assert greedy([server])[0] == hf_greedy(rollout_models["qwen3"])
     ray.kill(server)

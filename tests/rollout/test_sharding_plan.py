@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megarl.models.hf_config import describe_hf_config
-from megarl.models.mapping import WeightMap, padded_vocab_size
+from megarl.models.mapping import Mapping, WeightMap, padded_vocab_size
 from megarl.rollout.sharding.plan import ParamMeta, PlanError, plan_sync
 from megarl.rollout.sharding.transport import pack_bucket, unpack_bucket
 from megarl.testing.models import tiny_hf_config
@@ -81,12 +81,19 @@ def test_buckets_respect_the_size_bound(bucket_bytes):
     assert sum(b.nbytes for b in plan.buckets) == plan.total_bytes
 
 
-def test_pack_then_unpack_reproduces_hf_tensors_tp2_pp2_vpp2():
-    """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack."""
-    config = tiny_hf_config("qwen2", num_layers=4)
+@pytest.mark.parametrize("arch,tp,pp,vpp", [("qwen2", 2, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 1),
+                                            ("qwen3", 1, 1, 1)])
+def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp):
+    """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack.
+
+    Every bucket arrives as one flat buffer holding its HF tensors contiguously in plan order, bit
+    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy.
+    """
+    config = _CONFIGS[arch] if arch != "qwen2" else tiny_hf_config("qwen2", num_layers=4)
+    dims = describe_hf_config(config)
     torch.manual_seed(0)
-    hf = {n: torch.randn(s) for n, s in _shapes(describe_hf_config(config)).items() if n != "lm_head.weight"}
-    tp, pp, vpp = 2, 2, 2
+    hf = {n: torch.randn(s) for n, s in _shapes(dims).items()
+          if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     layouts = [fake_training_layout(config, tp, pp, vpp, rank=r, value=hf) for r in range(tp)]
     wmap, metas, _ = layouts[0]
     plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=20_000)
@@ -95,9 +102,18 @@ def test_pack_then_unpack_reproduces_hf_tensors_tp2_pp2_vpp2():
         packed = []
         for _, _, local in layouts:
             params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
-            packed.append(pack_bucket(bucket, params))
+            packed.append(pack_bucket(bucket, params, wmap.dims))
         gathered = torch.cat(packed) if bucket.sharded else packed[0]
-        got.update(unpack_bucket(bucket, gathered, wmap.dims))
+        flat = unpack_bucket(bucket, gathered, wmap.dims)
+        assert flat.buffer.is_contiguous() and flat.buffer.numel() == sum(e.numel for e in flat.entries)
+        assert [e.offset for e in flat.entries] == [sum(e.numel for e in flat.entries[:i])
+                                                    for i in range(len(flat.entries))]
+        if not bucket.sharded:
+            assert flat.buffer.data_ptr() == gathered.data_ptr()  # travels as received
+        for entry, (name, tensor) in zip(flat.entries, flat.tensors()):
+            assert tensor.data_ptr() == flat.buffer.data_ptr() + entry.offset * tensor.element_size()  # views
+            got[name] = tensor.clone()
+    assert any(b.sharded for b in plan.buckets) == (tp > 1)
     assert got.keys() == hf.keys()
     for name in hf:
         assert torch.equal(got[name], hf[name]), name
@@ -141,3 +157,56 @@ def test_ep_plan_takes_each_expert_from_its_ep_rank(tmp_path):
     dense_from_ep1 = ParamMeta("decoder.final_layernorm.weight", (64,), "float32", 0, 0, 0, ep_rank=1)
     with pytest.raises(PlanError, match="reported by EP rank 1"):
         plan_sync(metas + [dense_from_ep1], wmap, tp_size=1, pp_size=1, ep_size=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+@pytest.mark.parametrize("tp", [1, 2])  # TP divides the query groups (2)
+def test_fused_unshard_to_hf_equals_the_mapping_rules(arch, tp):
+    """`Mapping.unshard_to_hf` writes exactly `to_hf(unshard(shards))`, contiguously in HF order, for
+    every mapping kind (QKV weight and bias, gate/up, row- and column-parallel, vocab, replicated, and
+    a kind with rules of its own, which must take the generic path)."""
+    config = tiny_hf_config(arch, num_layers=1)
+    dims = describe_hf_config(config)
+    wmap = WeightMap(dims)
+    torch.manual_seed(0)
+    for mapping in wmap.all_mappings() + [_Transposed("x", ("a",), tp_dim=0)]:
+        full = torch.randn(_mcore_shape(mapping, dims, tp))
+        shards = [mapping.shard(full, r, tp) for r in range(tp)]
+        expected = mapping.to_hf(mapping.unshard(shards), dims)
+        out = torch.full((sum(t.numel() for t in expected) + 5,), float("nan"))
+        got = mapping.unshard_to_hf(shards, dims, out)
+        assert [t.shape for t in got] == [t.shape for t in expected], mapping.mcore
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), mapping.mcore
+        assert torch.equal(torch.cat([t.reshape(-1) for t in expected]), out[:-5]), mapping.mcore  # in order
+        assert out[-5:].isnan().all(), mapping.mcore  # nothing written past the HF tensors
+
+
+class _Transposed(Mapping):
+    """A mapping kind with its own to_hf and no fused rule: the generic path must be used."""
+
+    def to_hf(self, full, dims):
+        return [full.t()]
+
+
+def _mcore_shape(mapping, dims, tp):
+    """The TP1 megatron shape of a mapping (vocab rows padded for `tp`)."""
+    if isinstance(mapping, _Transposed):
+        return (4 * tp, 3)
+    shapes = _shapes_of(dims)
+    hf = [torch.empty(shapes[n], device="meta") for n in mapping.hf]
+    return tuple(mapping.to_mcore(hf, dims, padded_vocab_size(dims.vocab_size, tp)).shape)
+
+
+def _shapes_of(dims):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_hf_config(dims.model_type, num_layers=1))
+    return {n: tuple(p.shape) for n, p in model.state_dict().items()} | _expert_shapes(model, dims)
+
+
+def _expert_shapes(model, dims):
+    """Checkpoint names of fused MoE experts (transformers keeps them as 3-D parameters)."""
+    from megarl.rollout.embedded import checkpoint_params
+
+    return {n: tuple(p.shape) for n, p in checkpoint_params(model).items()} if dims.moe else {}

@@ -99,15 +99,52 @@ def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
 
     from megarl.rollout.sharding.ipc import IpcSender
     from megarl.rollout.sharding.plan import HFSpec
+    from megarl.rollout.sharding.protocol import bucket_tensors
     from rollout_sync_checks import hf_greedy
 
     weights = sorted(load_file(str(rollout_models["qwen2"] / "model.safetensors")).items())
-    buckets = [weights[i::3] for i in range(3)]  # a layer's tensors spread over several buckets
+    # small buckets: a layer's tensors spread over several, which vLLM holds until the layer is complete
+    buckets = list(bucket_tensors(weights, 40_000, shared=True))
     sender = IpcSender(engine)
-    version = engine.version
-    sender.check_update([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
-    assert sender.send(None, buckets) == version + 1
+    sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+    version = engine.version + 5  # the version is the caller's, not a counter
+    assert sender.send(buckets, version) == version == engine.version
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
+
+
+def test_vllm_reads_streamed_tensors_after_later_ones_were_asked_for(engine, rollout_models):
+    """Why vLLM engines get a fresh buffer per bucket (`holds_update_tensors`): its layer-wise reload
+    keeps a layer's tensors until the layer is complete (padded layers until the end), so a producer
+    that reuses a tensor's memory once the next one is asked for corrupts the update."""
+    from safetensors.torch import load_file
+
+    from megarl.rollout.sharding.plan import HFSpec
+    from megarl.rollout.sharding.senders import sender_for
+    from rollout_sync_checks import hf_greedy
+
+    weights = sorted(load_file(str(rollout_models["qwen2"] / "model.safetensors")).items())
+
+    def reusing():
+        previous = None
+        for name, tensor in weights:
+            if previous is not None:
+                previous.zero_()  # the producer takes the memory back for the next tensor
+            previous = tensor.clone()
+            yield name, previous
+
+    expected = hf_greedy(rollout_models["qwen2"])
+    engine.check_update([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+    engine.load(reusing(), engine.version + 1)
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) != expected
+    assert engine.holds_update_tensors and sender_for(engine).keeps_buffers
+    engine.update_weights(weights)  # fresh buckets
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == expected
+
+
+def test_temperature_contract(engine, rollout_models):
+    from rollout_api_checks import check_temperature_contract
+
+    check_temperature_contract(engine, rollout_models["qwen2_other"])
 
 
 def test_sampling_contract(engine):

@@ -83,7 +83,7 @@ def test_vllm_engine_core_in_a_child_process_reloads_moe_experts_by_ipc(tmp_path
     save_tiny_hf_model("qwen3_moe", actor, seed=1)
     save_tiny_hf_model("qwen3_moe", other, seed=2)
     sequences = fixed_sequences()
-    engine = VLLMEngine(other, in_process=False, ipc_bucket_bytes=64 << 10)
+    engine = VLLMEngine(other, in_process=False, update_bucket_bytes=64 << 10)
     try:
         before = engine_snapshot(engine, sequences)
         engine.update_weights(sorted(load_file(str(actor / "model.safetensors")).items()))

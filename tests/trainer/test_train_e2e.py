@@ -24,8 +24,10 @@ from train_helpers import HERE, REPO, overrides, run_train, train_command
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
+# temperature 0.7: the engines' sampling log-probs and the actor's old log-probs are both taken at the
+# sampling temperature (one temperature contract), so their gap is ~0 at any temperature
 GRPO = ["trainer.total_steps=3", "trainer.checkpoint_every_steps=2", "validation.every_steps=2",
-        f"reward.reward_fn={HERE / 'crash_reward.py'}:reward", "reward.timeout_s=30"]
+        f"reward.reward_fn={HERE / 'crash_reward.py'}:reward", "reward.timeout_s=30", "rollout.temperature=0.7"]
 NOT_COMPARED = ("time/", "perf/")
 
 
@@ -51,7 +53,8 @@ def test_grpo_tp2_actor_with_vllm_trains_and_feeds_every_update_to_the_engines(g
             assert torch.isfinite(torch.tensor(r[key])), (key, r)
         assert r["actor/update_ok"] == 1.0
     assert [r["rollout/policy_version"] for r in rows] == [1, 2, 3]  # each engine took each update
-    # the engines sample with exactly the weights the actor recomputes log-probs with (after updates)
+    # the engines sample with exactly the weights the actor recomputes log-probs with (after updates), and
+    # both take log-probs at the sampling temperature (0.7 here)
     assert all(r["rollout/mismatch_abs_max"] < 1e-4 for r in rows), [r["rollout/mismatch_abs_max"] for r in rows]
     assert any(r["actor/grad_norm"] > 0 for r in rows)
     assert _weights_changed(tiny_task["model"], run / "hf")

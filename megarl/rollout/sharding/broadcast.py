@@ -4,12 +4,15 @@ Owns: `WeightGroup` (a gloo or NCCL process group built from a TCPStore, outside
 default group, so a trainer rank that is already in its training world and Ray engine actors
 can share it), `BroadcastSender` and `BroadcastReceiver`.
 
-One update: the sender broadcasts a small header (the planned HF names, shapes and dtypes; the
-bucket layout only the first time, it is cached by the receivers), every receiver checks it
-against its engine and the group all-gathers the verdicts, so a bad update fails on every member
-with the engine's message before any weight moves; then one broadcast per bucket (the bucket's
-HF tensors flattened into one buffer) that the receivers stream into `engine.update_weights`,
-and a final all-gather of the engines' new versions. gloo on CPU (tested), NCCL on GPU.
+One update: `check` broadcasts a small header (the planned HF names, shapes and dtypes), every
+receiver checks it against its engine and the group all-gathers the verdicts, so a bad update fails
+on every member with the engine's message before any weight moves; then `send` broadcasts the
+policy version and, per `FlatBucket`, a 3-number control message, the bucket's layout (entries;
+only when it differs from what the receivers hold for that position, so once per model) and the
+bucket's buffer as it is (no concatenation; copied only if the group lives on another device).
+Receivers take each bucket into a fresh buffer and hand it to their engine's own sender
+(`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
+all-gather collects the engines' versions. gloo on CPU (tested), NCCL on GPU.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megarl.rollout.sharding.plan import HFSpec
+from megarl.rollout.sharding.plan import HFSlot, HFSpec
+from megarl.rollout.sharding.protocol import FlatBucket, WeightUpdateError, alloc_flat, bucket_tensors
+from megarl.rollout.sharding.senders import sender_for
 
 MESSAGE_BYTES = 4096
 
@@ -72,55 +77,54 @@ class WeightGroup:
         return [bytes(t[1:].cpu().numpy()).rstrip(b"\0").decode() if t[0] else None for t in out]
 
 
-def _layout_of(plan_or_buckets) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
-    """[(dtype name, [(hf name, shape), ...]) per bucket]."""
-    return [(str(b.dtype).replace("torch.", ""), [(s.name, tuple(s.shape)) for s in b.hf]) for b in plan_or_buckets]
+_BEGIN, _BUCKET, _END = 2, 1, 0
+"""Kinds of the control message that precedes every part of an update: [kind, value, new layout]."""
 
 
 class BroadcastSender:
-    """Trainer side. `sync` of the sharding manager calls `check_update(specs)`, then `send`."""
+    """Trainer side, rank 0 of its weight group: a `Sender` to every engine server in the group."""
+
+    keeps_buffers = False  # a broadcast has completed on every member before the next bucket is asked for
+    shares_buffers = False
 
     def __init__(self, group: WeightGroup):
         if group.rank != 0:
             raise ValueError("the sender must be rank 0 of its weight group")
         self.group = group
-        self._layout = None
-        self._layout_sent = None
-        self.version: Optional[int] = None
-        """Policy version the engines take with the next update (None: each engine counts its own)."""
+        self._layouts: list = []  # (dtype, entries) per bucket position, as the receivers have them
 
-    def check_update(self, specs: Sequence[HFSpec], layout=None) -> None:
+    def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
         """Announce the update; raises the first engine's WeightUpdateError (on every member)."""
-        from megarl.rollout.base import WeightUpdateError
-
-        layout = layout if layout is not None else self._layout
         header = {"specs": [(s.name, tuple(s.shape), str(s.dtype).replace("torch.", "")) for s in specs],
-                  "layout": layout if layout != self._layout_sent else None, "version": self.version}
+                  "partial": partial}
         self.group.broadcast_object(header)
-        self._layout_sent = layout
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
         if failures:
             raise WeightUpdateError(f"engine server {failures[0][0]} rejected the update: {failures[0][1]}")
 
-    def send(self, plan, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
-        """One broadcast per bucket (flattened HF tensors); returns the lowest engine version after it."""
-        for tensors in buckets:
-            flat = torch.cat([t.reshape(-1) for _, t in tensors]).to(self.group.device)
-            self.group.broadcast(flat)
+    def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
+        """One broadcast per bucket buffer, as it is; returns the lowest engine version after the update."""
+        self._control(_BEGIN, version)
+        for position, bucket in enumerate(buckets):
+            layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
+            new = position >= len(self._layouts) or self._layouts[position] != layout
+            self._control(_BUCKET, bucket.buffer.numel(), new)
+            if new:
+                self.group.broadcast_object(layout)
+                self._layouts[position:position + 1] = [layout]
+            buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
+            self.group.broadcast(buffer)
+        self._control(_END)
         versions = self.group.all_gather_messages("0")
         return min(int(v) for v in versions[1:])
 
-    def bind_plan(self, plan) -> "BroadcastSender":
-        """Use the bucket layout of a sharding plan (the manager does this before `check_update`)."""
-        self._layout = _layout_of(plan.buckets)
-        return self
+    def _control(self, kind: int, value: int = 0, new: bool = False) -> None:
+        self.group.broadcast(torch.tensor([kind, value, int(new)], dtype=torch.int64, device=self.group.device))
 
-    def update(self, weights: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Send a list of HF-named tensors as one bucket (tools and tests; one dtype)."""
-        specs = [HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights]
-        layout = [(str(weights[0][1].dtype).replace("torch.", ""), [(s.name, s.shape) for s in specs])]
-        self.check_update(specs, layout)
-        return self.send(None, [list(weights)])
+    def update(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
+        """Send a list of HF-named tensors (tools and tests), bucketed like any other update."""
+        self.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+        return self.send(bucket_tensors(weights), version)
 
     def close(self) -> None:
         """Tell the receivers to leave their receive loop."""
@@ -128,48 +132,53 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Engine side: `receive_update()` blocks for one update and loads it into `engine`."""
+    """Engine side: `receive_update()` blocks for one update and loads it into `engine` (its own sender)."""
 
     def __init__(self, group: WeightGroup, engine):
         self.group, self.engine = group, engine
-        self._layout = None
+        self.local = sender_for(engine)
+        self._layouts: list = []
 
     def receive_update(self) -> Optional[int]:
         """The engine's new version; None when the sender closed the group.
 
         Raises WeightUpdateError (and keeps the previous weights) when any member rejected the update.
         """
-        from megarl.rollout.base import WeightUpdateError
-
         header = self.group.broadcast_object()
         if header.get("close"):
             return None
-        if header["layout"] is not None:
-            self._layout = header["layout"]
         specs = [HFSpec(n, tuple(s), getattr(torch, d)) for n, s, d in header["specs"]]
         try:
-            self.engine.check_update(specs)
+            self.local.check(specs, partial=header["partial"])
             verdict = None
         except WeightUpdateError as err:
             verdict = str(err)
         failures = [m for m in self.group.all_gather_messages(verdict) if m]
         if failures:
             raise WeightUpdateError(failures[0])
-        version = self.engine.update_weights(self._stream(), specs=specs, version=header.get("version"))
+        kind, version, _ = self._control()
+        if kind != _BEGIN:
+            raise RuntimeError(f"weight group out of step: expected the start of an update, got message kind {kind}")
+        version = self.local.send(self._buckets(), version)
         self.group.all_gather_messages(str(version))
         return version
 
-    def _stream(self):
-        for dtype, entries in self._layout:
-            numels = [_numel(shape) for _, shape in entries]
-            flat = torch.empty(sum(numels), dtype=getattr(torch, dtype), device=self.group.device)
-            self.group.broadcast(flat)
-            for (name, shape), piece in zip(entries, flat.split(numels)):
-                yield name, piece.view(shape)
+    def _control(self) -> list[int]:
+        message = torch.empty(3, dtype=torch.int64, device=self.group.device)
+        self.group.broadcast(message)
+        return message.tolist()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    def _buckets(self):
+        """Each broadcast bucket in a fresh buffer (the engine may keep it), until the sender's end mark."""
+        position = 0
+        while True:
+            kind, numel, new = self._control()
+            if kind == _END:
+                return
+            if new:
+                self._layouts[position:position + 1] = [self.group.broadcast_object()]
+            dtype, entries = self._layouts[position]
+            buffer = alloc_flat(numel, getattr(torch, dtype), self.group.device, shared=self.local.shares_buffers)
+            self.group.broadcast(buffer)
+            yield FlatBucket(buffer, tuple(HFSlot(*e) for e in entries))
+            position += 1

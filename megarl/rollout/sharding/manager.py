@@ -4,10 +4,11 @@ Owns: `TrainGroups` (the process groups and rank grid of one model replica) and
 `ShardingManager`, which exchanges parameter metadata once per model (one `all_gather_object`
 over the model-parallel group, then cached), plans buckets with `plan.plan_sync`, and runs the
 in-process transport (`transport.stream_buckets`) bucket by bucket. Every rank of the replica calls
-`sync(engine)` (or iterates `iter_buckets()`); rollout ranks get the tensors, the others only
-take part in the collectives. Before any bytes move the rollout ranks check the planned names and
-shapes against their engine and all ranks agree (one small collective), so a bad update fails
-everywhere with the engine's message and nothing is loaded.
+`sync(sender, version)` (or iterates `iter_buckets()`); rollout ranks hand each `FlatBucket` to
+their `Sender` as it is (in place, IPC or broadcast: `protocol.py`), the others only take part in
+the collectives. Before any bytes move the rollout ranks check the planned names and shapes with
+their sender and all ranks agree (one small collective), so a bad update fails everywhere with
+the engine's message and nothing is loaded.
 
 Expert parallelism (MoE): a replica is TP × EP × PP ranks (`mp_group` is megatron's tp-ep-pp
 group); every EP rank's TP ranks send their own experts' weights, EP rank 0's send the rest, so
@@ -23,6 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
+from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
 from megarl.rollout.sharding.transport import BufferRing, stream_buckets, unpack_bucket
 
 
@@ -144,44 +146,47 @@ class ShardingManager:
         return self.plan.hf_specs()
 
     # -- moving bytes ---------------------------------------------------------------------------
-    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every rank must exhaust this; rollout ranks get each bucket's HF tensors (valid until the next)."""
+    def iter_buckets(self, *, fresh: bool = False, shared: bool = False) -> Iterator[FlatBucket]:
+        """Every rank must exhaust this; rollout ranks get each bucket as one `FlatBucket`.
+
+        A bucket's buffer stays valid until the next bucket is asked for, or for good with `fresh`
+        (for consumers that keep tensors, `Sender.keeps_buffers`); `shared`: in shared memory on CPU.
+        """
         plan, dims = self.plan, self.bridge.dims
-        outputs = BufferRing(1)  # the consumer is done with a bucket when it asks for the next
+        outputs = BufferRing(1, shared=shared)  # the consumer is done with a bucket when it asks for the next
         with torch.no_grad():
             for bucket, gathered in stream_buckets(plan.buckets, self._local, my_rank=self.rank,
                                                    stage_ranks=self.stage_ranks, dest_ranks=self._rollout_ranks,
-                                                   my_source=self.groups.source, prefetch=self.prefetch):
-                out = outputs.take(bucket.gathered_numel, bucket.dtype, gathered.device) if bucket.sharded else None
+                                                   my_source=self.groups.source, dims=dims, prefetch=self.prefetch,
+                                                   fresh=fresh, shared=shared):
+                out = outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh) \
+                    if bucket.sharded else None
                 yield unpack_bucket(bucket, gathered, dims, out)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every bucket in turn; a tensor is valid until the next bucket starts."""
         for bucket in self.iter_buckets():
-            yield from bucket
+            yield from bucket.tensors()
 
-    def sync(self, engine=None, *, sender=None) -> Optional[int]:
-        """Push the current weights; call on every rank of the replica.
+    def sync(self, sender: Optional[Sender], version: int) -> Optional[int]:
+        """Push the current weights as policy `version`; call on every rank of the replica.
 
-        Rollout ranks pass `engine` (colocated, loaded in place) or `sender` (a `BroadcastSender`
-        to engine servers). Returns the engine's new version on rollout ranks, None elsewhere.
+        Rollout ranks pass their engine's `Sender` (`senders.sender_for(engine)`, or a
+        `BroadcastSender` to engine servers); the other ranks pass None. Returns the engine's
+        version after the update on rollout ranks, None elsewhere.
         """
         specs = self.hf_specs()
-        if sender is not None and self.is_rollout_rank:
-            sender.bind_plan(self.plan)
-        self._agree(lambda: (engine or sender).check_update(specs) if self.is_rollout_rank else None)
-        if not self.is_rollout_rank:
+        rollout = self.is_rollout_rank
+        self._agree(lambda: _check(sender, specs, self.rank) if rollout else None)
+        if not rollout:
             for _ in self.iter_buckets():
                 pass
             return None
-        if sender is not None:
-            return sender.send(self.plan, self.iter_buckets())
-        return engine.update_weights(self.iter_weights(), specs=specs)
+        return sender.send(self.iter_buckets(fresh=sender.keeps_buffers, shared=sender.shares_buffers), version)
 
     def _agree(self, check) -> None:
         """Run `check` on rollout ranks; every rank raises the first failure (one small collective)."""
         import torch.distributed as dist
-
-        from megarl.rollout.base import WeightUpdateError
 
         try:
             check()
@@ -193,6 +198,13 @@ class ShardingManager:
         failed = [m for m in messages if m]
         if failed:
             raise WeightUpdateError(failed[0])
+
+
+def _check(sender: Optional[Sender], specs, rank: int) -> None:
+    if sender is None:
+        raise ValueError(f"rank {rank} is a rollout rank of the sharding manager but got no sender: pass"
+                         " megarl.rollout.sharding.senders.sender_for(engine) (or a BroadcastSender)")
+    sender.check(specs)
 
 
 def _unwrap(module):

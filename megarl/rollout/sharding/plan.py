@@ -12,11 +12,16 @@ rank): EP rank 0 reports every parameter, the other EP ranks only their routed e
 a stage, sources taking turns so they ship concurrently). A bucket holds the
 parameters of one source (stage, EP rank), one dtype, and one kind:
 
-* sharded buckets: every TP rank packs its shards into one flat buffer and the stage gathers them
-  with a single collective; the receiver cuts each parameter's shards out, `Mapping.unshard`s
-  them (QKV per query group, fc1 [gate; up] per shard, row-parallel on dim 1, vocab rows) and
-  converts to HF (`Mapping.to_hf`, which drops vocab padding and splits QKV / gate-up);
-* replicated buckets (norms, a value head): taken from the stage's first TP rank as they are.
+* sharded buckets: every TP rank packs its shards into one flat buffer and the rollout rank
+  receives them (one message per TP rank); it cuts each parameter's shards out and writes the HF
+  tensors into one output buffer (`Mapping.unshard_to_hf`: QKV per query group, fc1 [gate; up]
+  per shard, row-parallel on dim 1, vocab rows without the padding);
+* replicated buckets (norms, a value head, and every bucket at TP1): the stage's first TP rank
+  packs the HF tensors themselves (`unshard_to_hf` of its one shard), so the received buffer *is*
+  the bucket the engine loads.
+
+Either way a bucket reaches the engine as one flat buffer in which every HF tensor is a contiguous
+slice, in order: `Bucket.entries` gives each one's (name, shape, offset).
 
 A bucket's size is the bytes of its gathered parameters; the planner closes a bucket before it
 would exceed `bucket_bytes` (one parameter larger than the bound gets a bucket of its own).
@@ -27,8 +32,9 @@ make the HF layer numbers global.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -65,6 +71,18 @@ class HFSpec:
     dtype: torch.dtype
 
 
+class HFSlot(NamedTuple):
+    """Where one HF tensor lies in its bucket's flat buffer (elements, not bytes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
 @dataclass(frozen=True)
 class PlannedParam:
     """A megatron parameter inside a bucket: where its shard sits in each TP rank's flat buffer."""
@@ -73,11 +91,17 @@ class PlannedParam:
     mapping: Mapping
     hf: tuple[HFSpec, ...]
     offset: int
-    """Element offset of the shard in the bucket's per-rank buffer."""
+    """Element offset in the bucket's per-rank buffer: of the shard (sharded buckets), of the HF
+    tensors (replicated buckets, which are packed in HF layout)."""
 
     @property
     def numel(self) -> int:
         return _numel(self.meta.shape)
+
+    @property
+    def hf_numel(self) -> int:
+        """Elements of the HF tensors (fewer than the TP1 tensor's where vocab padding is dropped)."""
+        return sum(_numel(spec.shape) for spec in self.hf)
 
 
 @dataclass(frozen=True)
@@ -101,13 +125,27 @@ class Bucket:
 
     @property
     def local_numel(self) -> int:
-        """Elements one TP rank packs."""
-        return sum(p.numel for p in self.params)
+        """Elements one TP rank packs: its shards (sharded), the HF tensors (replicated)."""
+        return sum(p.numel for p in self.params) if self.sharded else self.hf_numel
 
     @property
     def gathered_numel(self) -> int:
         """Elements after the TP gather (what the receiver holds)."""
         return self.local_numel * (self.tp_size if self.sharded else 1)
+
+    @property
+    def hf_numel(self) -> int:
+        """Elements of the bucket's HF tensors (its flat buffer)."""
+        return sum(p.hf_numel for p in self.params)
+
+    @functools.cached_property
+    def entries(self) -> tuple[HFSlot, ...]:
+        """Every HF tensor's place in the bucket's flat buffer: contiguous, in order, from 0."""
+        slots, offset = [], 0
+        for spec in self.hf:
+            slots.append(HFSlot(spec.name, tuple(spec.shape), offset))
+            offset += _numel(spec.shape)
+        return tuple(slots)
 
     @property
     def nbytes(self) -> int:
@@ -234,7 +272,7 @@ def _bucket(members: list[PlannedParam], source: tuple[int, int], key, tp_size: 
     placed, offset = [], 0
     for p in members:
         placed.append(PlannedParam(p.meta, p.mapping, p.hf, offset))
-        offset += p.numel
+        offset += p.numel if sharded else p.hf_numel
     return Bucket(0, source[0], dtype, sharded, tuple(placed), tp_size, ep_rank=source[1])
 
 

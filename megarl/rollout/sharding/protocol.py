@@ -1,0 +1,137 @@
+"""The weight-sync protocol: what travels (`FlatBucket`) and who moves it (`Sender`).
+
+Owns: `FlatBucket` (one flat contiguous buffer plus the (HF name, shape, offset) of every tensor
+in it, each a contiguous slice, in order), the `Sender` contract every transport implements,
+`WeightUpdateError`, and the helpers all senders share: `bucket_tensors` (a list of HF tensors →
+flat buckets, the one bucketing of tensors that do not come from the sharding manager),
+`check_bucket` (a bucket against the announced specs) and `alloc_flat` (fresh, optionally
+shared-memory buffers). Imports torch and `plan` only: no engine, no transport, no vLLM / Ray.
+
+One update, whatever the transport:
+
+    sender.check(specs)               # names/shapes against the engine; WeightUpdateError names the
+                                      # first tensor that does not fit, and nothing is loaded
+    version = sender.send(buckets, version)   # every FlatBucket, as it is; the engine's version after
+
+`ShardingManager.sync(sender, version)` runs both on a rollout rank (the manager's buckets travel
+as they are: never flattened or re-bucketed on the way); `RolloutEngine.update_weights` runs both
+with buckets made by `bucket_tensors`. Implementations: `senders.InPlaceSender` (engine in this
+process), `ipc.IpcSender` (vLLM engine core in a child process), `broadcast.BroadcastSender`
+(engine servers over a weight group); `senders.sender_for(engine)` picks one for an engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Protocol, Sequence
+
+import torch
+
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
+
+
+class WeightUpdateError(ValueError):
+    """A weight update does not fit the engine's model; nothing was loaded."""
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """HF tensors that travel together: one flat buffer, every tensor a contiguous slice of it, in order."""
+
+    buffer: torch.Tensor
+    """1-D, contiguous, one dtype; exactly the tensors' elements (entries cover it without gaps)."""
+    entries: tuple[HFSlot, ...]
+    """(HF name, shape, element offset) of every tensor, in buffer order."""
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view of the buffer) per entry; no copy."""
+        return [(e.name, self.buffer[e.offset:e.offset + e.numel].view(e.shape)) for e in self.entries]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+
+class Sender(Protocol):
+    """Moves flat buckets into one engine (or a group of engine servers) and stamps the policy version.
+
+    keeps_buffers: the receiving side may still read a bucket's buffer after the next one was asked
+    for (vLLM's layer-wise reload holds a layer's tensors until the layer is complete, and padded
+    layers until the end): producers then give every bucket a fresh buffer instead of reusing one.
+    shares_buffers: buffers are handed to another process by handle; on CPU they must live in
+    shared memory (allocate them with `alloc_flat(..., shared=True)`, or sharing copies them).
+    """
+
+    keeps_buffers: bool
+    shares_buffers: bool
+
+    def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
+        """Raise `WeightUpdateError` naming the first tensor the engine(s) cannot take; loads nothing."""
+
+    def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
+        """Load every bucket (only the checked specs may arrive); returns the engine's version after it."""
+
+
+def announced(specs: Sequence[HFSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {s.name: (tuple(s.shape), s.dtype) for s in specs}
+
+
+def check_bucket(bucket: FlatBucket, announced_specs: Optional[dict]) -> FlatBucket:
+    """The bucket, if every tensor in it was announced by `check` with its shape and dtype; else raise."""
+    if announced_specs is None:
+        raise RuntimeError("send() before check(): announce the update's specs with check(specs) first")
+    for entry in bucket.entries:
+        want = announced_specs.get(entry.name)
+        if want is None or want[0] != tuple(entry.shape) or want[1] != bucket.dtype:
+            raise WeightUpdateError(
+                f"tensor {entry.name!r} ({tuple(entry.shape)}, {bucket.dtype}) was not announced as such"
+                f" (announced: {want}); the update is incomplete")
+    return bucket
+
+
+def checked_tensors(buckets: Iterable[FlatBucket], announced_specs: Optional[dict]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) of every tensor of every bucket, each bucket checked against the announced specs."""
+    for bucket in buckets:
+        yield from check_bucket(bucket, announced_specs).tensors()
+
+
+def alloc_flat(numel: int, dtype: torch.dtype, device, *, shared: bool = False) -> torch.Tensor:
+    """A fresh flat buffer; `shared` on CPU: in shared memory (another process maps it, no copy)."""
+    device = torch.device(device)
+    if not shared or device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype)
+
+
+def bucket_tensors(weights: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                   shared: bool = False) -> Iterator[FlatBucket]:
+    """Flat buckets (≤ bucket_bytes each, or one tensor; one dtype each) of HF tensors, in order.
+
+    Each tensor is copied once into a fresh buffer, made lazily bucket by bucket; the engine may
+    keep every bucket it was given.
+    """
+    group: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and (tensor.dtype != group[0][1].dtype or tensor.device != group[0][1].device
+                      or used + nbytes > bucket_bytes):
+            yield _flatten(group, shared)
+            group, used = [], 0
+        group.append((name, tensor))
+        used += nbytes
+    if group:
+        yield _flatten(group, shared)
+
+
+def _flatten(group: list[tuple[str, torch.Tensor]], shared: bool) -> FlatBucket:
+    first = group[0][1]
+    buffer = alloc_flat(sum(t.numel() for _, t in group), first.dtype, first.device, shared=shared)
+    entries, offset = [], 0
+    for name, tensor in group:
+        buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        entries.append(HFSlot(name, tuple(tensor.shape), offset))
+        offset += tensor.numel()
+    return FlatBucket(buffer, tuple(entries))

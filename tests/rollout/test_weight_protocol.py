@@ -1,0 +1,186 @@
+"""The weight-sync protocol: flat buckets travel as they are through every sender; no import circle.
+
+Senders here feed real engines (the embedded `transformers` engine; vLLM's own IPC worker side is
+in test_vllm_engine.py) with buckets of a real checkpoint; spies only record where tensors lie.
+"""
+import ast
+import threading
+from unittest import mock
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.rollout import WeightUpdateError
+from megarl.rollout.embedded import EmbeddedEngine
+from megarl.rollout.sharding.plan import HFSpec
+from megarl.rollout.sharding.protocol import bucket_tensors
+from megarl.rollout.sharding.senders import InPlaceSender, sender_for
+from megarl.testing.dist import free_port
+
+ROLLOUT = Path(__file__).resolve().parents[2] / "megarl" / "rollout"
+
+
+@pytest.fixture(scope="module")
+def engine(rollout_models):
+    return EmbeddedEngine(rollout_models["llama_other"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(rollout_models):
+    return sorted(load_file(str(rollout_models["llama"] / "model.safetensors")).items())
+
+
+def specs_of(weights):
+    return [HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights]
+
+
+def no_cat():
+    """Fail any torch.cat inside the block: buckets must travel without being flattened again."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.cat called while sending buckets")
+    return mock.patch.object(torch, "cat", refuse)
+
+
+def engine_equals(engine, weights):
+    return all(torch.equal(engine._params[n], t) for n, t in weights)
+
+
+def inside(tensor, buffers):
+    start = tensor.data_ptr()
+    return any(b.data_ptr() <= start < b.data_ptr() + b.numel() * b.element_size() for b in buffers)
+
+
+def test_bucket_tensors_are_flat_contiguous_and_in_order(checkpoint):
+    weights = checkpoint + [("extra.half", torch.ones(3, dtype=torch.float16))]
+    buckets = list(bucket_tensors(weights, 100_000))
+    assert len(buckets) > 3 and buckets[-1].dtype == torch.float16
+    got = [(n, t) for b in buckets for n, t in b.tensors()]
+    assert [n for n, _ in got] == [n for n, _ in weights]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, weights))
+    for b in buckets:
+        assert b.buffer.is_contiguous() and b.buffer.numel() == sum(e.numel for e in b.entries)
+        assert b.buffer.numel() * b.buffer.element_size() <= 100_000 or len(b.entries) == 1
+
+
+def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkeypatch):
+    buckets = list(bucket_tensors(checkpoint, 200_000))
+    seen = []
+    original = engine._load_weights
+    monkeypatch.setattr(engine, "_load_weights", lambda stream: original(seen.append(t) or (n, t) for n, t in stream))
+    sender = sender_for(engine)
+    assert isinstance(sender, InPlaceSender) and not sender.keeps_buffers
+    sender.check(specs_of(checkpoint))
+    with no_cat():
+        assert sender.send(buckets, 7) == 7 == engine.version
+    assert engine_equals(engine, checkpoint)
+    assert len(seen) == len(checkpoint) and all(inside(t, [b.buffer for b in buckets]) for t in seen)  # no copy
+
+
+def test_rejected_update_loads_nothing_and_keeps_the_version(engine, checkpoint):
+    sender = sender_for(engine)
+    before = {n: t.clone() for n, t in engine._params.items()}
+    version = engine.version
+    bad = checkpoint[:3] + [("model.norm.weight", torch.ones(7))]
+    with pytest.raises(WeightUpdateError, match="'model.norm.weight' with shape \\(7,\\)"):
+        sender.check(specs_of(bad), partial=True)
+    with pytest.raises(RuntimeError, match="check"):  # nothing announced: send refuses
+        sender.send(bucket_tensors(bad), version + 1)
+    sender.check(specs_of(checkpoint[:2]), partial=True)
+    with pytest.raises(WeightUpdateError, match="was not announced"):
+        sender.send(bucket_tensors(checkpoint[2:3]), version + 1)
+    assert engine.version == version and all(torch.equal(engine._params[n], t) for n, t in before.items())
+
+
+def test_ipc_buckets_are_shared_by_handle_not_copied(checkpoint):
+    """The receiving side maps the sender's own buffers: its writes show in them, nothing was moved."""
+    from megarl.rollout.sharding.ipc import IpcSender, receive_buckets, serve_buckets
+
+    sender = IpcSender(engine=None)
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=sender.shares_buffers))
+    pointers = [b.buffer.data_ptr() for b in buckets]
+    received = []
+
+    def worker():
+        with Client(sender.address_template.format(rank=0), family="AF_UNIX", authkey=sender.authkey) as conn:
+            for bucket in receive_buckets(conn):
+                received.append([(n, t.clone()) for n, t in bucket.tensors()])
+                bucket.buffer.fill_(-1.0)
+        return len(received)
+
+    with no_cat():
+        assert serve_buckets(sender.address_template, 0, sender.authkey, buckets, worker) == len(buckets)
+    assert [n for b in received for n, _ in b] == [n for n, _ in checkpoint]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip((x for b in received for x in b), checkpoint))
+    assert [b.buffer.data_ptr() for b in buckets] == pointers  # not moved into shared memory on the way
+    assert all(bool((b.buffer == -1.0).all()) for b in buckets)  # the worker wrote into the same memory
+
+
+def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models, checkpoint):
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender, WeightGroup
+
+    port, groups = free_port(), {}
+    joins = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup("127.0.0.1", port, r, 2,
+                                                                                    timeout_s=60))) for r in (0, 1)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join()
+    receiver_engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver = BroadcastReceiver(groups[1], receiver_engine)
+    sender = BroadcastSender(groups[0])
+    broadcast, objects = [], []
+    send_tensor, send_object = groups[0].broadcast, groups[0].broadcast_object
+    groups[0].broadcast = lambda tensor, src=0: (broadcast.append(tensor.data_ptr()), send_tensor(tensor, src))
+    groups[0].broadcast_object = lambda obj=None, src=0: (objects.append(obj), send_object(obj, src))[1]
+    for version in (4, 5, None):
+        result = {}
+        thread = threading.Thread(target=lambda: result.setdefault("v", receiver.receive_update()))
+        thread.start()
+        if version is None:
+            sender.close()
+        else:
+            buckets = list(bucket_tensors(checkpoint, 200_000))
+            sender.check(specs_of(checkpoint))
+            with no_cat():
+                assert sender.send(buckets, version) == version
+            assert all(b.buffer.data_ptr() in broadcast for b in buckets)  # each buffer as it is
+        thread.join(timeout=60)
+        assert result["v"] == version and (version is None or version == receiver_engine.version)
+    assert engine_equals(receiver_engine, checkpoint)
+    layouts = [o for o in objects if isinstance(o, tuple)]
+    assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
+
+
+def _rollout_imports(path: Path) -> set[str]:
+    """megarl.rollout modules a file imports (anywhere in it, lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megarl.rollout"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("megarl.rollout"))
+    return found
+
+
+def test_no_import_circle_in_megarl_rollout():
+    modules = {}
+    for path in ROLLOUT.rglob("*.py"):
+        parts = path.relative_to(ROLLOUT.parents[1]).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = _rollout_imports(path)
+    assert "megarl.rollout.vllm_engine" not in modules["megarl.rollout.sharding.ipc"], "ipc.py imports vllm_engine.py"
+
+    def cycle_from(module, stack):
+        if module in stack:
+            return stack[stack.index(module):] + [module]
+        for imported in modules.get(module, ()):
+            found = cycle_from(imported, stack + [module])
+            if found:
+                return found
+        return None
+
+    cycles = [c for m in modules if (c := cycle_from(m, []))]
+    assert not cycles, f"import circle: {' -> '.join(cycles[0])}"
