@@ -4,7 +4,7 @@
 # damaged checkpoints / metrics after a kill), rerun it each time, and compare every non-timing
 # metric with the uninterrupted run; no process of the run may outlive a kill. Prints a table.
 #
-#   bash scripts/fault_soak.sh            # the full 20 points (~15 min on 2 cores)
+#   bash scripts/fault_soak.sh            # the full 20 points (~25 min on a busy 2-core machine)
 #   bash scripts/fault_soak.sh 5 --seed 7 --root /tmp/soak
 #
 # The test suite runs 3 random points (tests/trainer/test_fault_soak.py). Exit status 0 = all good.
@@ -13,4 +13,4 @@ cd "$(dirname "$0")/.."
 PY=${MEGARL_PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || command -v python3)}
 POINTS=${1:-20}
 shift || true
-PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} exec "$PY" -m megarl.testing.fault_soak --points "$POINTS" "$@"
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} exec "$PY" -m megarl.trainer.fault_soak --points "$POINTS" "$@"

@@ -11,6 +11,7 @@
     metrics.py   phase timers, step metrics, console/progress bar, JSONL, TensorBoard, plots
     state.py     checkpoint directories, manifests, driver state, the intact checkpoint to resume from
                  (damaged ones reported and passed over), crash-safe pruning
+    fault_soak.py, fault_points.py  the fault soak: kill a short run at random points, rerun, compare
 
 Entry point: `megarl train --config configs/grpo_quickstart.yaml [dotted.overrides=...]`.
 The roles themselves live in `megarl.workers`, the driver's handles on them in `megarl.controller`.

@@ -1,5 +1,5 @@
 """Fault soak, CI size: the short run is killed (SIGKILL of the driver's process group) at 3 random
-points of `megarl.testing.fault_soak.KINDS` (start-up, a random moment, mid-checkpoint, mid-driver-state,
+points of `megarl.trainer.fault_points.KINDS` (start-up, a random moment, mid-checkpoint, mid-driver-state,
 mid-pruning, mid-metrics rewrite, mid-export, damaged state after a kill), rerun after each, and every
 non-timing metric of the reruns equals the uninterrupted run's; no process of the run outlives a kill.
 `bash scripts/fault_soak.sh` runs the full 20 points. Reproduce a failure with MEGARL_SOAK_SEED=<seed>.
@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from megarl.testing.fault_soak import Launch, Soak, max_delta, table
+from megarl.trainer.fault_points import Launch
+from megarl.trainer.fault_soak import Soak, max_delta, table
 from megarl.trainer import state
 from megarl.trainer.metrics import read_metrics
 
