@@ -103,7 +103,7 @@ def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
     if use_vllm:
         from megarl.rollout.vllm_engine import VLLMEngine
 
-        engines["ipc"] = VLLMEngine(hf_dir, in_process=False, update_bucket_bytes=bucket_bytes)
+        engines["ipc"] = VLLMEngine(hf_dir, update_bucket_bytes=bucket_bytes)
     return engines
 
 

@@ -210,8 +210,12 @@ async def _stop(llm) -> None:
 
 
 def _shutdown_if_alive(ref) -> None:
+    """At interpreter exit: stop a still-running engine quietly (the console may be closed by now)."""
     engine = ref()
-    if engine is not None:
+    if engine is not None and engine.llm is not None:
+        import logging
+
+        logging.getLogger("vllm").setLevel(logging.CRITICAL)
         engine.shutdown()
 
 

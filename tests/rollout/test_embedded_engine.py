@@ -50,3 +50,27 @@ def test_temperature_contract(engine, rollout_models):
     from rollout_api_checks import check_temperature_contract
 
     check_temperature_contract(engine, rollout_models["llama_other"])
+
+
+def test_requests_from_many_threads_and_event_loops(engine):
+    from rollout_api_checks import check_callable_from_threads_and_loops
+
+    check_callable_from_threads_and_loops(engine)
+
+
+def test_abort_by_id_returns_the_partial_output(engine):
+    from rollout_api_checks import check_abort_returns_partial_output
+
+    check_abort_returns_partial_output(engine)
+
+
+def test_update_midway_switches_versions_at_one_token(engine, rollout_models):
+    from rollout_api_checks import check_update_midway_switches_versions
+
+    check_update_midway_switches_versions(engine, rollout_models["llama_other"], rollout_models["llama"])
+
+
+def test_pause_abort_returns_partial_and_new_requests_wait(engine):
+    from rollout_api_checks import check_pause_abort_returns_partial_and_queues_new_requests
+
+    check_pause_abort_returns_partial_and_queues_new_requests(engine)

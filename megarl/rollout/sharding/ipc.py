@@ -28,6 +28,7 @@ Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-ty
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import threading
 import uuid
@@ -39,7 +40,7 @@ import torch
 from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import FlatBucket, UpdateProgress, announced, check_bucket
 
-_HELLO, _FAILED = "megarl-worker", "megarl-receive-failed"
+_HELLO = "megarl-worker"
 
 
 class IpcSender:
@@ -84,7 +85,7 @@ def serve_buckets(address: str, authkey: bytes, buckets: Iterable[FlatBucket], r
                 result["value"] = receive()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
                 result["error"] = exc
-                _wake_listener(address, authkey)  # a sender still waiting for workers stops waiting
+                _wake_listener(address)  # a sender still waiting for workers stops waiting
 
         thread = threading.Thread(target=run, name="megarl-ipc-receive", daemon=True)
         thread.start()
@@ -111,7 +112,7 @@ def _feed(listener, conns: list, workers: int, buckets: Iterable[FlatBucket], pr
         conn = listener.accept()
         conns.append(conn)
         if conn.recv() != _HELLO:
-            raise RuntimeError("the engine failed before its workers took the update")
+            raise RuntimeError("an IPC peer that is not a megarl worker connected")
     for bucket in buckets:
         message = (reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer))
         progress.touched = True  # from here a worker may hand tensors of this bucket to the model
@@ -124,13 +125,15 @@ def _feed(listener, conns: list, workers: int, buckets: Iterable[FlatBucket], pr
         conn.send(None)
 
 
-def _wake_listener(address: str, authkey: bytes) -> None:
-    """Connect once with a failure note, so an `accept` waiting for workers returns."""
-    try:
-        with Client(address, family="AF_UNIX", authkey=authkey) as conn:
-            conn.send(_FAILED)
-    except (OSError, EOFError):  # the listener is already closed: nobody waits
-        pass
+def _wake_listener(address: str) -> None:
+    """Connect once and hang up, so an `accept` still waiting for workers returns (its handshake fails);
+    a connection nobody accepts any more just sits in the closed listener's backlog."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect(address)
+        except OSError:  # the listener is already closed: nobody waits
+            pass
 
 
 def connect_worker(address: str, authkey: bytes):
