@@ -76,6 +76,10 @@ class EngineServer:
     async def version(self) -> int:
         return self.engine.version
 
+    async def num_requests(self) -> int:
+        """Requests in flight (queued or running) on this server's engine."""
+        return self.engine.num_requests
+
     async def sleep(self) -> None:
         await asyncio.to_thread(self.engine.sleep)
 

@@ -117,6 +117,9 @@ class EngineRole:
 
         return threading.get_ident()
 
+    def num_requests(self):
+        return self.engine.num_requests
+
 
 def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, rollout_models):
     """An engine server (async actor) and a worker host (its request concurrency group) each take
@@ -141,7 +144,8 @@ def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, 
         served = [server.generate.remote([1, 5, 9], long, request_id="long"),
                   server.generate.remote([1, 6, 9], short, request_id="short", session_id="s")]
         hosted = [request("generate", [1, 5, 9], long, "long"), request("generate", [1, 6, 9], short, "short")]
-        await asyncio.sleep(0.2)  # queued or running by now (an abort ends either)
+        while await server.num_requests.remote() < 2 or await host.call.remote("engine.num_requests") < 2:
+            await asyncio.sleep(0.05)  # both in flight (queued or running: an abort ends either)
         await asyncio.gather(server.abort.remote(["long"]), request("abort", ["long"]))
         return await asyncio.gather(*served), await asyncio.gather(*hosted)
 
