@@ -25,7 +25,8 @@ distribution it was sampled from (logits / temperature, then top-k / top-p; vLLM
 (`score`) are unaffected (vLLM computes them from the raw logits in every mode). On CUDA this mode
 keeps vLLM on its PyTorch-native top-k/top-p sampler.
 
-Sleep/wake: on GPU `sleep(level=1)` offloads weights and drops the KV cache around training (needs
+On CPU with TP > 1 each vLLM worker gets its share of the CPUs (`VLLM_CPU_OMP_THREADS_BIND`,
+unless set). Sleep/wake: on GPU `sleep(level=1)` offloads weights and drops the KV cache around training (needs
 `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and both are
 no-ops apart from refusing requests while asleep. `visible_devices` is CUDA_VISIBLE_DEVICES of the
 processes vLLM starts (a colocated engine: the training rank's own GPUs).
@@ -80,7 +81,7 @@ class VLLMEngine(RolloutEngine):
                            on_gpu=self.on_gpu, **engine_kwargs)
         self.llm = None
         try:
-            with _child_visible_devices(visible_devices):
+            with _child_visible_devices(visible_devices), _cpu_thread_binding(tensor_parallel_size, self.on_gpu):
                 self.llm = self.loop.run(_start(args))
         except BaseException:
             self.loop.close()
@@ -259,6 +260,25 @@ def _child_visible_devices(devices: Optional[str]):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+@contextlib.contextmanager
+def _cpu_thread_binding(tensor_parallel_size: int, on_gpu: bool):
+    """vLLM's CPU workers with TP > 1 bind their OpenMP threads to one NUMA node each by default
+    ("Not enough allowed NUMA nodes" on a one-node machine): unless VLLM_CPU_OMP_THREADS_BIND is set,
+    give each worker its share of this process's CPUs ("0|1" on 2 cores; "nobind" with fewer CPUs
+    than workers)."""
+    if on_gpu or tensor_parallel_size == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // tensor_parallel_size
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups) if per else "nobind"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
