@@ -140,7 +140,9 @@ class VLLMEngine(RolloutEngine):
 
     async def _request(self, prompt: list[int], vparams, request_id: str) -> list[Completion]:
         final = None
-        async for output in self.llm.generate({"prompt_token_ids": prompt}, vparams, request_id):
+        session_id = self._requests.get(request_id)  # vLLM only labels its KV events with it
+        stream = self.llm.generate({"prompt_token_ids": prompt}, vparams, request_id, session_id=session_id)
+        async for output in stream:
             final = output
         with_logprobs = vparams.logprobs is not None
         return [_completion(o, with_logprobs, self.version, final.num_cached_tokens or 0)

@@ -28,7 +28,8 @@ def test_greedy_equals_transformers_generate(engine, rollout_models):
 
 def test_bad_update_names_the_tensor_and_loads_nothing(engine):
     def outputs():
-        return [[(c.token_ids, c.logprobs) for c in cs] for cs in engine.generate_sync(PROMPTS, SamplingParams(**GREEDY))]
+        completions = engine.generate_sync(PROMPTS, SamplingParams(**GREEDY))
+        return [[(c.token_ids, c.logprobs) for c in cs] for cs in completions]
 
     before, version = outputs(), engine.version
     good = ("model.norm.weight", torch.full((128,), 5.0))

@@ -1,9 +1,10 @@
 """vLLM colocated in a training rank: the rollout rank of a PP2 actor hosts the engine.
 
-The rank is already in a torch.distributed world, so `VLLMEngine` runs vLLM's engine core in a
-child process and the sharding manager's buckets reach it as shared-memory IPC buckets (CUDA IPC
-on GPU), written into the same shared-memory buffers by every sync. Same checks as the other sync tests (weights moved, outputs follow the actor, unchanged
-syncs change nothing), with tied embeddings and a pipeline stage that holds the tied copy.
+vLLM's engine core runs in a child process of the training rank (AsyncLLM), and the sharding
+manager's buckets reach it as shared-memory IPC buckets (CUDA IPC on GPU), written into the same
+shared-memory buffers by every sync. Same checks as the other sync tests (weights moved, outputs
+follow the actor, unchanged syncs change nothing), with tied embeddings and a pipeline stage that
+holds the tied copy.
 """
 import pytest
 
