@@ -16,8 +16,9 @@ Two ways to run the same requests on one engine:
   * batched    — today's behaviour before continuous batching: the ready requests go as one batch
     and the next batch starts when all of it (and, multi-turn, all of its tool calls) is done: a
     barrier per batch, so a short request waits for the longest one of its batch.
-Prints trajectories/s of both, the ratio continuous / batched (higher is better; measured in the
-same run, alternating, best of --repeats) and generated tokens/s.
+Prints trajectories/s of both and the ratio continuous / batched (higher is better; measured in
+the same run, alternating, best of --repeats), generated tokens/s, and the latency of a trajectory
+(from its arrival to its last token; what arrivals over time mostly change).
 """
 import argparse
 import asyncio
@@ -61,8 +62,9 @@ def tool_tokens(turn: int, count: int) -> list[int]:
     return [3 + (turn * 31 + i * 7) % (VOCAB - 3) for i in range(count)]
 
 
-async def continuous(engine, workload) -> int:
-    """Every trajectory on its own: each turn is sent as soon as the trajectory is ready for it."""
+async def continuous(engine, workload) -> tuple[int, list[float]]:
+    """Every trajectory on its own: each turn is sent as soon as the trajectory is ready for it.
+    Returns (generated tokens, per trajectory the seconds from its arrival to its end)."""
     start = time.monotonic()
 
     async def trajectory(t):
@@ -75,14 +77,15 @@ async def continuous(engine, workload) -> int:
             if len(t["responses"]) > 1:
                 await asyncio.sleep(tool_ms / 1000)  # the tool runs; the engine serves other trajectories
                 conversation += tool_tokens(turn, tool_count)
-        return generated
+        return generated, time.monotonic() - start - t["arrival"]
 
-    return sum(await asyncio.gather(*(trajectory(t) for t in workload)))
+    results = await asyncio.gather(*(trajectory(t) for t in workload))
+    return sum(g for g, _ in results), [latency for _, latency in results]
 
 
-async def batched(engine, workload) -> int:
+async def batched(engine, workload) -> tuple[int, list[float]]:
     """One batch at a time: the ready requests together, the next batch after all of them (and their tools)."""
-    start, generated = time.monotonic(), 0
+    start, generated, latency = time.monotonic(), 0, {}
     state = [{"conversation": list(t["prompt"]), "turn": 0} for t in workload]
     pending = list(range(len(workload)))
     while pending:
@@ -105,8 +108,11 @@ async def batched(engine, workload) -> int:
                 s["conversation"] += tool_tokens(s["turn"], tool_count)
             s["turn"] += 1
         await asyncio.sleep(max(tools, default=0.0) / 1000)  # the batch's tool calls run concurrently
+        for i in ready:
+            if state[i]["turn"] == len(workload[i]["responses"]):
+                latency[i] = time.monotonic() - start - workload[i]["arrival"]
         pending = [i for i in pending if state[i]["turn"] < len(workload[i]["responses"])]
-    return generated
+    return generated, [latency[i] for i in range(len(workload))]
 
 
 def make_engine(kind: str, path: str, max_len: int):
@@ -134,16 +140,18 @@ def run(args) -> dict:
         try:
             engine.generate_sync([[1, 2, 3]], params(4))  # warm-up
             times = {"continuous": [], "batched": []}
-            tokens = {}
+            tokens, latencies = {}, {}
             for _ in range(args.repeats):  # alternate, so machine load hits both alike
                 for name, fn in (("continuous", continuous), ("batched", batched)):
                     t0 = time.perf_counter()
-                    tokens[name] = asyncio.run(fn(engine, workload))
+                    tokens[name], latency = asyncio.run(fn(engine, workload))
                     times[name].append(time.perf_counter() - t0)
+                    latencies[name] = min(latencies.get(name, latency), latency, key=sum)
         finally:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
-    return {"times": {k: min(v) for k, v in times.items()}, "tokens": tokens, "workload": workload}
+    return {"times": {k: min(v) for k, v in times.items()}, "tokens": tokens, "latencies": latencies,
+            "workload": workload}
 
 
 def report(result, args) -> None:
@@ -152,10 +160,13 @@ def report(result, args) -> None:
     print(f"engine: {args.engine}; workload: {args.workload}, {len(workload)} trajectories x"
           f" {len(workload[0]['responses'])} turns; response lengths min {min(responses)} median"
           f" {sorted(responses)[len(responses) // 2]} max {max(responses)}; load average {os.getloadavg()[0]:.1f}")
+    lat = {name: sorted(v) for name, v in result["latencies"].items()}
     for name in ("continuous", "batched"):
         print(f"  {name:10s} {t[name]:7.2f} s   {len(workload) / t[name]:7.2f} trajectories/s"
-              f"   {result['tokens'][name] / t[name]:8.0f} generated tokens/s")
-    print(f"ratio continuous / batched (trajectories/s): {t['batched'] / t['continuous']:.2f}")
+              f"   {result['tokens'][name] / t[name]:8.0f} generated tokens/s   latency mean"
+              f" {sum(lat[name]) / len(lat[name]):6.2f} s  p90 {lat[name][int(0.9 * (len(lat[name]) - 1))]:6.2f} s")
+    print(f"ratio continuous / batched (trajectories/s): {t['batched'] / t['continuous']:.2f}   (mean latency):"
+          f" {sum(lat['batched']) / sum(lat['continuous']):.2f}x lower")
 
 
 def main():
