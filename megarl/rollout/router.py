@@ -16,7 +16,8 @@ actor's workers, engine servers) and agent loops route every request through one
   "abort") although its caller did not abort it — an engine paused in mode abort for an update —
   runs again on the same engine (from its prompt, on the new weights).
 
-Pure asyncio, no Ray or engine import; one router belongs to one event loop.
+Pure asyncio, no Ray or engine import; usable from one event loop at a time (a new loop, e.g. one
+`asyncio.run` per step, takes over once the previous one is done).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class EngineRouter:
         self._requests: dict[str, int] = {}  # outstanding request id → engine index
         self._aborted: set[str] = set()  # aborted by the caller: not rerun
         self._changed: Optional[asyncio.Condition] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- choosing -----------------------------------------------------------------------------
     def pick(self, session_id: Optional[str] = None) -> Optional[int]:
@@ -119,8 +121,10 @@ class EngineRouter:
         return by_engine
 
     def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
+        """The condition of the running event loop (a driver may run one loop per step: asyncio.run)."""
+        loop = asyncio.get_running_loop()
+        if self._changed is None or self._loop is not loop:
+            self._changed, self._loop = asyncio.Condition(), loop
         return self._changed
 
 

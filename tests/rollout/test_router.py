@@ -92,6 +92,25 @@ def test_requests_wait_for_capacity_and_a_session_for_its_own_engine():
     asyncio.run(run())
 
 
+def test_a_router_serves_one_event_loop_after_another():
+    """A driver may run a loop per step (asyncio.run): waiting for capacity works in each."""
+    router = EngineRouter(1, max_outstanding=1)
+
+    async def step():
+        calls = Calls(router)
+        calls.start("a", "A")
+        calls.start("b", "A")  # waits for "a"
+        await settle()
+        assert "b" not in calls.engines
+        calls.finish("a")
+        await settle()
+        calls.finish("b")
+        await asyncio.gather(*calls.tasks.values())
+        return calls.engines
+
+    assert asyncio.run(step()) == asyncio.run(step()) == {"a": [0], "b": [0]}
+
+
 def test_engine_aborts_are_rerun_and_caller_aborts_are_not():
     async def run():
         router = EngineRouter(2, max_reruns=2)
