@@ -108,12 +108,12 @@ class Completion:
     finish_reason: str
     """"stop" (a stop token was generated), "length" (max_tokens reached) or "abort" (`abort`, or a
     pause in mode abort, ended it: the tokens are what was generated until then)."""
-    versions: list[int] = field(default_factory=list)
-    """Policy version of the weights that generated each token (one per token): a request that ran
-    across a weight update carries the old version up to the switch and the new one after it."""
     version: int = 0
     """The oldest policy version among its tokens (the engine's version when it has none): the
     version a staleness bound compares with."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version of the weights that generated each token (one per token): a request that ran
+    across a weight update carries the old version up to the switch and the new one after it."""
     request_id: str = ""
     """The id of the request that produced it (the caller's, or one the engine made up)."""
     num_cached_tokens: int = 0
@@ -124,8 +124,8 @@ def make_completion(token_ids, logprobs, finish_reason: str, versions: Sequence[
                     num_cached_tokens: int = 0) -> Completion:
     """A `Completion` whose `version` follows from its per-token `versions` (`current` when it has no token)."""
     versions = [int(v) for v in versions]
-    return Completion(list(token_ids), logprobs, finish_reason, versions, min(versions, default=current),
-                      num_cached_tokens=num_cached_tokens)
+    return Completion(list(token_ids), logprobs, finish_reason, version=min(versions, default=current),
+                      versions=versions, num_cached_tokens=num_cached_tokens)
 
 
 class RolloutEngine(ABC):

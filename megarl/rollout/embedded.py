@@ -67,7 +67,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
         self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
-        self._scheduler = BatchScheduler(self._run_batch, _aborted_before_start)
+        self._scheduler = BatchScheduler(self._run_batch, lambda pending: _aborted_before_start(pending, self.version))
 
     def describe(self) -> str:
         return f"embedded ({Path(self.model_path).name})"
@@ -207,8 +207,9 @@ class _Rows:
         return out
 
 
-def _aborted_before_start(pending: Pending) -> list[Completion]:
-    return [Completion([], [] if pending.params.logprobs else None, "abort") for _ in range(pending.params.n)]
+def _aborted_before_start(pending: Pending, version: int) -> list[Completion]:
+    return [Completion([], [] if pending.params.logprobs else None, "abort", version)
+            for _ in range(pending.params.n)]
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
