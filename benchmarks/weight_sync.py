@@ -15,8 +15,8 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
   * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
                  child process of rank 0): each bucket's shared-memory buffer crosses by handle as it
                  is and vLLM's `reload_weights` loads it, the only copy on the way; the buffers are
-                 kept from sync to sync (`keep_shared_buffers`, the default), so neither side faults
-                 in fresh pages (skipped with --no-vllm or without vLLM);
+                 kept from sync to sync (`keep_shared_buffers`, the default): no fresh pages to
+                 allocate and zero each sync (skipped with --no-vllm or without vLLM);
   * ipc-fresh  — the same with fresh shared-memory buffers every sync (`keep_shared_buffers=False`);
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
                  gloo weight group (the server-mode path: one broadcast per bucket buffer, the

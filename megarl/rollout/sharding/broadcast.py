@@ -141,7 +141,7 @@ class BroadcastReceiver:
         self.local = sender_for(engine)
         self._layouts: list = []
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
-        # every update (no page faults after the first; the worker's mapping of it is reused too)
+        # every update (no fresh shared-memory pages to allocate and zero after the first)
         self._kept = KeptBuffers() if self.local.shares_buffers else None
 
     def receive_update(self) -> Optional[int]:

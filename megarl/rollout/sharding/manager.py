@@ -76,7 +76,7 @@ class ShardingManager:
     prefetch: buckets a rollout rank receives ahead while it unpacks (0: strictly one at a time);
     keep_shared_buffers: for a sender whose engine is another process on CPU (`Sender.shares_buffers`
     and `keeps_buffers`: vLLM by IPC), keep one shared-memory buffer per bucket from sync to sync
-    (`transport.KeptBuffers`: no page faults on either side after the first sync, for about the
+    (`transport.KeptBuffers`: no fresh pages to allocate and zero after the first sync, for about the
     model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
     """
 

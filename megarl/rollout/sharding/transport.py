@@ -128,9 +128,9 @@ class KeptBuffers:
 
     For consumers in another process that keep a bucket's buffer until the end of an update (vLLM's
     reload): within one update every bucket still has a buffer of its own, but the next update
-    writes into the same ones — no fresh pages to fault in, and the consumer's mapping of the
-    buffer (torch keeps one per shared file) is reused. The price: the buffers stay allocated (about
-    the model's HF bytes). CPU only; on other devices `take` hands out a fresh buffer each time.
+    writes into the same ones: no fresh shared-memory pages to allocate and zero every sync (the
+    consumer maps pages that already exist). The price: the buffers stay allocated (about the
+    model's HF bytes). CPU only; on other devices `take` hands out a fresh buffer each time.
     """
 
     def __init__(self):
