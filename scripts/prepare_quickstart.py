@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Everything the quickstarts train on, built locally in under a minute (no download):
+"""Everything the quickstarts train on, built locally in about a minute on one core (no download):
 
     python scripts/prepare_quickstart.py --model runs/quickstart/model --data data/arithmetic [--seed 0]
 
@@ -7,9 +7,9 @@
 2. the task: sums of three digits ("3+5+8=" → "16"; 1,000 distinct problems) as raw-prompt parquet
    files: `test` holds 200 distinct problems, `train` 4,000 rows of the other 800;
 3. an SFT warm-up (`megarl.trainer.sft`) on the train split's answers as written by a sloppy teacher
-   who answers one too high 60% of the time. Imitation learns the sums and the habit together: the
-   policy starts out mostly answering `sum + 1` (greedy test accuracy ~0.3) although it gives the
-   right sum in a large share of its samples, so most GRPO groups have reward variance. The reward
+   who answers one too high 70% of the time. Imitation learns the sums and the habit together: the
+   policy starts out mostly answering `sum + 1` (greedy test accuracy ~0.1-0.2) although it gives the
+   right sum in about a third of its samples, so most GRPO groups have reward variance. The reward
    (exact answer) is what tells the two apart: RL removes the habit, imitation cannot.
 The greedy test accuracy and the share of greedy answers off by one are printed.
 """
@@ -44,7 +44,7 @@ def parse_args(argv):
     parser.add_argument("--train-rows", type=int, default=4000, help="train rows (problems repeat)")
     parser.add_argument("--test-problems", type=int, default=200, help="distinct held-out problems")
     parser.add_argument("--sft-steps", type=int, default=800, help="warm-up steps (0: none)")
-    parser.add_argument("--teacher-error", type=float, default=0.6,
+    parser.add_argument("--teacher-error", type=float, default=0.7,
                         help="share of warm-up answers off by one (0: a clean teacher)")
     parser.add_argument("--seed", type=int, default=0, help="model init, data and warm-up")
     return parser.parse_args(argv)
