@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""Benchmark: the quickstart end to end (`bash scripts/quickstart.sh`), timed.
+"""Benchmark: the quickstart end to end (`bash scripts/quickstart.sh`) over several seeds, timed.
 
-    python benchmarks/quickstart.py                              # the full quickstart
-    python benchmarks/quickstart.py --run-dir runs/bench_qs trainer.total_steps=50   # overrides pass through
+    python benchmarks/quickstart.py                  # GRPO, seeds 0, 1, 2 (the README's figures)
+    python benchmarks/quickstart.py --ppo            # the PPO quickstart, same criterion
+    python benchmarks/quickstart.py --seeds 1 --run-dir runs/bench_qs trainer.total_steps=50   # overrides pass through
 
-Prints the wall time (whole script, and the training command alone), the validation score
-before and after training and their ratio (the baseline is the same run's step-0 validation),
-and where step time goes: generation, worker phases (log-probs, values, updates, weight sync),
-and the rest, the driver's overhead (batch assembly, rule rewards, advantages, Ray transfers,
-logging), as a share of the summed step time.
+Each seed is a whole quickstart: its own tiny model, data split, warm-up and trainer seed. Per seed it
+prints the greedy validation accuracy before training (the baseline: the same run's step-0
+validation) and after, the rise, the share of prompt groups without reward variance over the first
+and last 10 steps, and the seconds of the training command alone (setup and warm-up excluded).
+Then the median and range over the seeds, and the criterion of the quickstart: a median rise of at
+least 0.25, every seed at least 0.15, training at most 180 s on 2 CPU cores. Step time is split into
+generation, worker phases (log-probs, values, updates, weight sync) and the driver's overhead.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megarl.trainer.metrics import GENERATION_PHASES, WORKER_PHASES, read_metrics, validation_summary  # noqa: E402
+
+CRITERION = {"median_rise": 0.25, "min_rise": 0.15, "max_train_s": 180.0}
 
 
 def phase_shares(rows: list[dict]) -> dict:
@@ -36,29 +42,82 @@ def phase_shares(rows: list[dict]) -> dict:
             "driver": driver / total}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", default="runs/bench_quickstart")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides passed to megarl train")
-    args = parser.parse_args(argv)
+def zero_variance(rows: list[dict], window: int = 10) -> tuple[float, float]:
+    """Mean share of prompt groups without reward variance over the first and the last `window` steps."""
+    shares = [r["rollout/zero_variance_groups"] for r in rows if "rollout/zero_variance_groups" in r]
+    if not shares:
+        return float("nan"), float("nan")
+    return statistics.mean(shares[:window]), statistics.mean(shares[-window:])
+
+
+def run_seed(seed: int, run_dir: str, ppo: bool, overrides: list[str]) -> dict:
+    """One whole quickstart; its validation before/after, training seconds and phase shares."""
+    command = ["bash", "scripts/quickstart.sh", *(["--ppo"] if ppo else []), "--seed", str(seed), run_dir, *overrides]
     start = time.perf_counter()
-    proc = subprocess.run(["bash", "scripts/quickstart.sh", args.run_dir, *args.overrides], cwd=REPO, text=True,
-                          capture_output=True, env={**os.environ, "MEGARL_TIME_TRAIN": "1"})
+    proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True)
     wall = time.perf_counter() - start
     if proc.returncode:
-        sys.exit(f"quickstart failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = read_metrics(REPO / args.run_dir / "metrics.jsonl")
-    (s0, before, acc0), (s1, after, acc1) = validation_summary(rows)
-    shares = phase_shares(rows)
-    train_s = next((float(line.split()[-2]) for line in proc.stdout.splitlines() if line.startswith("[quickstart] train")),
-                   float("nan"))
-    load = os.getloadavg()[0]
-    print(f"quickstart wall time: {wall:.0f} s (training command {train_s:.0f} s), machine load {load:.1f}")
-    print(f"validation score: {before:.3f} (acc {acc0:.2f}, step {s0}) -> {after:.3f} (acc {acc1:.2f}, step {s1});"
-          f" after/before = {after / before if before else float('inf'):.2f}x")
-    print(f"step time over {shares['steps']} steps: {shares['step_s']:.1f} s; generation {shares['generation']:.1%},"
-          f" workers (log-probs, updates, sync) {shares['workers']:.1%}, driver overhead {shares['driver']:.1%}")
-    return {"wall_s": wall, "train_s": train_s, "val_before": before, "val_after": after, **shares}
+        sys.exit(f"quickstart (seed {seed}) failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = read_metrics(REPO / run_dir / "metrics.jsonl")
+    summary = validation_summary(rows)
+    if summary is None:
+        sys.exit(f"seed {seed}: no validation in {run_dir}/metrics.jsonl (is validation.files set?)")
+    (s0, _, acc0), (s1, _, acc1) = summary
+    train_s = next((float(line.split()[-2]) for line in proc.stdout.splitlines()
+                    if line.startswith("[quickstart] train took")), float("nan"))
+    zv_first, zv_last = zero_variance(rows)
+    return {"seed": seed, "before": acc0, "after": acc1, "rise": acc1 - acc0, "first_step": s0, "last_step": s1,
+            "train_s": train_s, "wall_s": wall, "zero_var_first": zv_first, "zero_var_last": zv_last,
+            **phase_shares(rows)}
+
+
+def summarize(results: list[dict]) -> dict:
+    """Median and range of each figure over the seeds, and whether the quickstart's criterion holds."""
+    def spread(key):
+        values = [r[key] for r in results]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    out = {key: spread(key) for key in ("before", "after", "rise", "train_s")}
+    out["criterion_met"] = (out["rise"]["median"] >= CRITERION["median_rise"]
+                            and out["rise"]["min"] >= CRITERION["min_rise"]
+                            and out["train_s"]["max"] <= CRITERION["max_train_s"])
+    return out
+
+
+def fmt(spread: dict, spec: str = "{:.2f}") -> str:
+    return f"{spec.format(spread['median'])} (range {spec.format(spread['min'])}..{spec.format(spread['max'])})"
+
+
+def report(results: list[dict], summary: dict, algo: str) -> None:
+    for r in results:
+        print(f"seed {r['seed']}: greedy val acc {r['before']:.3f} (step {r['first_step']}) -> {r['after']:.3f}"
+              f" (step {r['last_step']}), rise {r['rise']:+.3f}; groups without reward variance"
+              f" {r['zero_var_first']:.2f} (first 10 steps) -> {r['zero_var_last']:.2f} (last 10);"
+              f" training {r['train_s']:.0f} s (whole script {r['wall_s']:.0f} s); step time {r['step_s']:.0f} s:"
+              f" generation {r['generation']:.0%}, workers {r['workers']:.0%}, driver {r['driver']:.0%}")
+    print(f"{algo} quickstart over {len(results)} seeds, median (range): greedy val acc {fmt(summary['before'])}"
+          f" -> {fmt(summary['after'])}; rise {fmt(summary['rise'], '{:+.2f}')};"
+          f" training command {fmt(summary['train_s'], '{:.0f}')} s; machine load (1 min) {os.getloadavg()[0]:.1f}")
+    print(f"criterion (median rise >= {CRITERION['median_rise']}, every seed >= {CRITERION['min_rise']},"
+          f" training <= {CRITERION['max_train_s']:.0f} s): {'met' if summary['criterion_met'] else 'NOT met'}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="run seeds 0 .. N-1")
+    parser.add_argument("--ppo", action="store_true", help="the PPO quickstart (configs/ppo_quickstart.yaml)")
+    parser.add_argument("--run-dir", default="runs/bench_quickstart", help="one sub-directory per seed")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides passed to megarl train")
+    args = parser.parse_args(argv)
+    algo = "PPO" if args.ppo else "GRPO"
+    print(f"{algo} quickstart, {args.seeds} seed(s); machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True)
+    results = []
+    for seed in range(args.seeds):
+        results.append(run_seed(seed, f"{args.run_dir}/seed{seed}", args.ppo, args.overrides))
+        print(f"  seed {seed} done: {results[-1]['before']:.3f} -> {results[-1]['after']:.3f}", flush=True)
+    summary = summarize(results)
+    report(results, summary, algo)
+    return {"seeds": results, **summary}
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
                  dropped) into HF tensors;
   * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
                  engine in rank 0: the engine copies views of each bucket into its parameters;
-  * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine whose engine core is a child
-                 process of rank 0 (colocated placement): each bucket's shared-memory buffer crosses
-                 by handle as it is, vLLM's `reload_weights` loads it (this time is mostly vLLM's
-                 reload; skipped with --no-vllm or without vLLM);
+  * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
+                 child process of rank 0): each bucket's shared-memory buffer crosses by handle as it
+                 is and vLLM's `reload_weights` loads it, the only copy on the way; the buffers are
+                 kept from sync to sync (`keep_shared_buffers`, the default): no fresh pages to
+                 allocate and zero each sync (skipped with --no-vllm or without vLLM);
+  * ipc-fresh  — the same with fresh shared-memory buffers every sync (`keep_shared_buffers=False`);
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
                  gloo weight group (the server-mode path: one broadcast per bucket buffer, the
                  receiver loads in place);
@@ -103,7 +105,7 @@ def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
     if use_vllm:
         from megarl.rollout.vllm_engine import VLLMEngine
 
-        engines["ipc"] = VLLMEngine(hf_dir, in_process=False, update_bucket_bytes=bucket_bytes)
+        engines["ipc"] = VLLMEngine(hf_dir, update_bucket_bytes=bucket_bytes)
     return engines
 
 
@@ -132,6 +134,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     chunks = bridge.build(pp_rank)
     bridge.load_hf_weights(chunks, hf_dir, tp_rank=tp_rank, pp_rank=pp_rank)
     fast = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20))
+    fresh_shm = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20), keep_shared_buffers=False)
     per_param = ShardingManager(bridge, chunks, bucket_bytes=1)
     total = fast.plan.total_bytes
     hf_bytes = sum(torch.Size(s.shape).numel() * 4 for s in fast.hf_specs())
@@ -145,6 +148,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
              "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast"))}
     if use_vllm:
         paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc"))
+        paths["ipc-fresh"] = lambda: sync_ipc(fresh_shm, engines.get("ipc"))
     paths.update({"per-param": _consume(per_param), "naive": _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank)})
     paths.update(_baselines(rank, total, hf_bytes))
     engines_exact = _engines_hold_checkpoint(paths, engines, hf_dir)
@@ -161,7 +165,8 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
                 buckets=len(fast.plan.buckets), per_param_buckets=len(per_param.plan.buckets),
                 largest_bucket=max(b.nbytes for b in fast.plan.buckets), check=check, engines_exact=engines_exact,
                 params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
-                exchanges=fast.metadata_exchanges, rss_growth=rss_growth)
+                exchanges=fast.metadata_exchanges, rss_growth=rss_growth,
+                kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20)
 
 
 def _consume(manager):
@@ -194,7 +199,7 @@ def _engines_hold_checkpoint(paths, engines, hf_dir) -> dict:
     """One sync per engine path; then the embedded engine's tensors against the checkpoint (rank 0)."""
     from safetensors.torch import load_file
 
-    for name in ("in-process", "broadcast", "ipc"):
+    for name in ("in-process", "broadcast", "ipc", "ipc-fresh"):
         if name in paths:
             paths[name]()
     if not engines:
@@ -260,11 +265,13 @@ def report(result, bucket_mb: float) -> None:
           f" engines hold the checkpoint bit for bit: {result['engines_exact']}")
     print(f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
           f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)")
+    print(f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB")
     t = result["times"]
     for name, seconds in t.items():
         print(f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}")
     print("ratio vs copy (bytes/s): " + "   ".join(f"{name} {t['copy'] / t[name]:.3f}"
-                                                 for name in ("gather", "in-process", "ipc", "broadcast") if name in t))
+                                                 for name in ("gather", "in-process", "ipc", "ipc-fresh", "broadcast")
+                                                 if name in t))
     print(f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"
           f" {t['naive'] / t['gather']:.2f}x   over per-param: {t['per-param'] / t['gather']:.2f}x")
 

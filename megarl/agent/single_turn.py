@@ -12,6 +12,7 @@ import time
 from megarl.agent.base import AgentContext, AgentLLM, AgentSample, register_agent_loop
 from megarl.agent.chat import ChatRenderer
 from megarl.agent.trajectory import Trajectory
+from megarl.rollout.base import Completion
 
 
 @register_agent_loop("single_turn")
@@ -22,10 +23,16 @@ async def single_turn(sample: AgentSample, llm: AgentLLM, ctx: AgentContext) -> 
     params = ctx.turn_params(sample, 0, min(ctx.params.max_tokens, ctx.config.max_response_tokens))
     start = time.monotonic()
     completion = await llm.generate(prompt_ids, params)
+    return completion_trajectory(prompt_ids, completion, ctx.tokenizer, time.monotonic() - start)
+
+
+def completion_trajectory(prompt_ids, completion: Completion, tokenizer=None, seconds: float = 0.0) -> Trajectory:
+    """The single-turn trajectory of one engine completion (also what the trainer builds when it sends a
+    batch of single-turn requests at once); its turn's text is decoded when a tokenizer is given."""
     trajectory = Trajectory(list(prompt_ids))
     trajectory.add_model_turn(completion.token_ids, completion.logprobs or [0.0] * len(completion.token_ids),
                               completion.version, finish_reason=completion.finish_reason,
-                              text=ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
-                              seconds=time.monotonic() - start)
+                              text=tokenizer.decode(completion.token_ids, skip_special_tokens=True) if tokenizer else "",
+                              seconds=seconds)
     trajectory.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
     return trajectory.finalize()

@@ -11,6 +11,7 @@ masked-out positions changes neither the loss nor its gradient.
 
 Imports only torch (no megatron, vLLM or Ray).
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class PolicyLossConfig:
     """Knobs of the policy losses (each loss reads the ones it needs)."""
 
     name: str = "ppo_clip"
-    """Name in POLICY_LOSSES: ppo_clip, gspo, cispo (or 'pkg.module:fn')."""
+    """Name in POLICY_LOSSES: ppo_clip, gspo, cispo, decoupled_ppo (or 'pkg.module:fn')."""
     clip_ratio_low: float = 0.2
     """ε_low: the ratio (CISPO: the IS weight) is clipped below at 1 − ε_low; ≥ 1 disables."""
     clip_ratio_high: float = 0.2
@@ -41,8 +42,16 @@ class PolicyLossConfig:
     """Dual-clip bound c > 1 (Ye et al. 2020): for A < 0 the loss is capped at −A·c; None: off."""
     log_ratio_clamp: float = 20.0
     """|log π_θ − log π_old| is clamped to this before exp, so the ratio never overflows."""
+    behaviour_weight_cap: float = 5.0
+    """decoupled_ppo: the proximal/behaviour weight π_prox/π_behav is capped at this (AReaL's
+    behav_imp_weight_cap)."""
+    behaviour_weight_mode: str = "truncate"
+    """decoupled_ppo: truncate weights above the cap to the cap, or mask (drop) those tokens."""
 
     def __post_init__(self):
+        if self.behaviour_weight_cap <= 0 or self.behaviour_weight_mode not in ("truncate", "mask"):
+            raise ValueError(f"behaviour_weight_cap must be > 0 (got {self.behaviour_weight_cap}) and"
+                             f" behaviour_weight_mode truncate or mask (got {self.behaviour_weight_mode!r})")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (dual clip); got {self.clip_ratio_c}")
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
@@ -63,7 +72,10 @@ class PolicyLossInputs:
     """1 where the token gets a loss; 0 for padding, prompt or tool tokens."""
     is_weights: torch.Tensor | None = None
     """Detached per-token importance weights multiplied into the loss (rollout/train mismatch
-    correction, or π_prox/π_behav of decoupled PPO); None: all ones."""
+    correction); None: all ones."""
+    behaviour_log_probs: torch.Tensor | None = None
+    """log π_behav of the policy that generated the tokens (the rollout engine's), when it differs from
+    the proximal policy of `old_log_probs` (asynchronous training; read by decoupled_ppo)."""
 
 
 def _log_ratio(inputs: PolicyLossInputs, mask: torch.Tensor, cfg: PolicyLossConfig) -> torch.Tensor:
@@ -150,6 +162,34 @@ def cispo(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation)
     pg_losses = -weight * zero_masked(inputs.advantages, mask) * zero_masked(inputs.log_probs, mask)
     stats = {"pg_clipfrac": _fraction(weight != ratio, mask)}
     return _finish(pg_losses, inputs, mask, agg, stats, log_ratio)
+
+
+@register_policy_loss("decoupled_ppo")
+def decoupled_ppo(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregation):
+    """Decoupled PPO (Hilton et al. 2022; AReaL's asynchronous objective): the behaviour policy that
+    generated the tokens (π_behav: `behaviour_log_probs`, the engine's, possibly several versions old)
+    is separated from the proximal policy the update is trusted around (π_prox: `old_log_probs`, the
+    current weights recomputed before the update).
+
+    pg_losses = w · max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)),  r = π_θ / π_prox,
+    w = sg[π_prox / π_behav] truncated at `behaviour_weight_cap` (or, mode mask, tokens above it
+    dropped). With π_behav = π_prox (no staleness) w = 1 and this is ppo_clip exactly.
+    Stats: ppo_clip's, plus behaviour_weight_mean, behaviour_clipfrac (tokens over the cap),
+    behaviour_kl (k1 estimate of KL(π_behav ‖ π_prox) on the behaviour's own samples).
+    """
+    mask = inputs.response_mask.bool()
+    behaviour = inputs.behaviour_log_probs
+    if behaviour is None:
+        raise ValueError("decoupled_ppo needs PolicyLossInputs.behaviour_log_probs (the rollout engine's log-probs)")
+    log_weight = zero_masked(inputs.old_log_probs.detach() - behaviour.detach(), mask)
+    over = (log_weight > math.log(cfg.behaviour_weight_cap)) & mask
+    weight = torch.exp(log_weight.clamp(max=math.log(cfg.behaviour_weight_cap)))
+    weight = torch.where(over, 0.0, weight) if cfg.behaviour_weight_mode == "mask" else weight
+    combined = weight if inputs.is_weights is None else weight * inputs.is_weights.detach()
+    loss, stats = ppo_clip(dataclasses.replace(inputs, is_weights=combined), cfg, agg)
+    stats.update({"behaviour_weight_mean": masked_mean(zero_masked(weight, mask), mask),
+                  "behaviour_clipfrac": _fraction(over, mask), "behaviour_kl": masked_mean(-log_weight, mask)})
+    return loss, stats
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megarl.agent.config import AgentConfig
 from megarl.algorithms.advantages import AdvantageConfig
 from megarl.algorithms.dapo import DAPOConfig
 from megarl.algorithms.kl import KLConfig
@@ -197,6 +198,10 @@ class RolloutConfig:
     """Disable CUDA graphs; None: eager on CPU, graphs on GPU."""
     dtype: str = "auto"
     """Engine dtype: auto (the actor's), float32, bfloat16, float16."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agent loops (multi-turn tools, environments): which loop, its limits, the tool YAML. A row's
+    `agent_name` column picks its loop; the default, single_turn, is one completion per sample.
+    Its response-token budget is rollout.max_response_tokens."""
 
 
 @dataclass

@@ -190,6 +190,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> Derived:
     """
     _check_ranges(cfg)
     _check_algorithm(cfg)
+    _check_agent(cfg, check_paths)
     derived = derive(cfg)
     _check_roles(cfg, derived)
     if check_paths:
@@ -286,6 +287,26 @@ def _check_estimator_needs(cfg: RunConfig, derived: Derived) -> None:
                           " signal); set rollout.samples_per_prompt >= 2, or pick an estimator without groups"
                           " (reinforce_plus_plus, remax, or gae with a critic)")
     # "baseline_rewards" (remax): the loop generates the greedy baseline itself (RLTrainer.baseline_scores)
+
+
+def _check_agent(cfg: RunConfig, check_paths: bool) -> None:
+    """rollout.agent: names that exist, one response budget, the tool YAML present."""
+    from megarl.agent import ENVIRONMENTS, TOOL_PARSERS, get_agent_loop
+
+    agent, default = cfg.rollout.agent, type(cfg.rollout.agent)()
+    if agent.max_response_tokens not in (default.max_response_tokens, cfg.rollout.max_response_tokens):
+        raise ConfigError(f"rollout.agent.max_response_tokens={agent.max_response_tokens}: a trajectory's response"
+                          " budget is rollout.max_response_tokens (the training rows' width); set that instead")
+    for where, lookup, name in (("rollout.agent.default_agent", get_agent_loop, agent.default_agent),
+                                ("rollout.agent.tool_parser", TOOL_PARSERS.get, agent.tool_parser),
+                                ("rollout.agent.environment", ENVIRONMENTS.get, agent.environment)):
+        try:
+            lookup(name)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: {err}") from None
+    if check_paths and agent.tool_config is not None and not os.path.isfile(agent.tool_config):
+        raise ConfigError(f"rollout.agent.tool_config: {agent.tool_config!r} does not exist (cwd {os.getcwd()});"
+                          " point it at the YAML file declaring the tools")
 
 
 def _check_roles(cfg: RunConfig, derived: Derived) -> None:

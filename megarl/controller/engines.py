@@ -6,10 +6,23 @@ on the bundles of `rollout.pool`, fed by broadcast over a weight group whose ran
 role "rollout" = `megarl.workers.RolloutSender`). Both offer what the loop uses (`cluster.rollout`):
 
     generate(requests)   [(prompt ids, SamplingParams)] dealt to the engines in contiguous chunks
+                         (the synchronous single-turn batch path)
     sync_weights()       the actor's weights into every engine; their (common) new policy version
     versions()           the engines' current policy versions
     asleep(timer)        a context: colocated engines give their GPU memory (weights, KV cache) to
                          the training phases inside it; servers keep theirs
+
+and, per request, for agent loops and asynchronous training (awaited on the driver's event loop):
+
+    await submit(prompt_ids, params, request_id=..., session_id=...)   # → list of Completion
+    await abort(request_ids)          # those requests return their partial outputs
+    await pause(mode); await resume() # every engine (`megarl.rollout.base.PAUSE_MODES`)
+
+`submit` routes with `megarl.rollout.router.EngineRouter`: every turn of a session to the engine
+that served its first turn, a new session to the engine with the fewest outstanding requests, at
+most `max_outstanding` per engine, and a request an engine aborted for a weight update (pause mode
+abort) runs again. Colocated engines take each request as a call in the worker host's request
+concurrency group (`REQUEST_GROUP`), so many run at once next to the (idle) training calls.
 
 Ray is imported here (the driver).
 """
@@ -18,6 +31,8 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+from megarl.controller.worker_group import REQUEST_CONCURRENCY, REQUEST_GROUP
+from megarl.rollout.router import DEFAULT_MAX_OUTSTANDING, EngineRouter
 from megarl.workers.rollout import Rollout, RolloutSender, engine_ranks, engine_spec
 
 
@@ -36,7 +51,27 @@ def _common_version(versions: list[Optional[int]]) -> int:
 
 
 class _Engines:
-    """What both placements share: sleeping around the training phases."""
+    """What both placements share: per-request routing, and sleeping around the training phases."""
+
+    router: EngineRouter
+
+    async def submit(self, prompt_ids, params, *, request_id: str, session_id: Optional[str] = None) -> list:
+        """`params.n` completions of one request, on the engine the router picks (sticky per session)."""
+        return await self.router.run(str(request_id), session_id,
+                                     lambda engine: self._call(engine, prompt_ids, params, str(request_id), session_id))
+
+    async def abort(self, request_ids) -> None:
+        """End outstanding requests; their `submit` calls return the partial outputs (not rerun)."""
+        import asyncio
+
+        by_engine = self.router.abort([str(r) for r in request_ids])
+        await asyncio.gather(*(self._abort(engine, ids) for engine, ids in by_engine.items()))
+
+    async def _call(self, engine: int, prompt_ids, params, request_id: str, session_id) -> list:
+        raise NotImplementedError
+
+    async def _abort(self, engine: int, request_ids: list) -> None:
+        raise NotImplementedError
 
     def sleep(self) -> None:
         """Give the engines' GPU memory to training (colocated); servers keep theirs."""
@@ -61,10 +96,32 @@ class _Engines:
 class ColocatedEngines(_Engines):
     """Engines in the actor's own worker processes (role "rollout" = `megarl.workers.Rollout`)."""
 
-    def __init__(self, cfg, actor_group):
+    def __init__(self, cfg, actor_group, max_outstanding: int = REQUEST_CONCURRENCY):
         self.group = actor_group
         self.group.add_role("rollout", Rollout, cfg)
         self.ranks = engine_ranks(actor_group.world_size, cfg.rollout.tp)
+        self.router = EngineRouter(len(self.ranks), max_outstanding=min(max_outstanding, REQUEST_CONCURRENCY))
+
+    def _request(self, engine: int, method: str, *args):
+        """A call of the rollout role on engine `engine`'s rank, in the request concurrency group."""
+        worker = self.group.workers[self.ranks[engine]]
+        return worker.call.options(concurrency_group=REQUEST_GROUP).remote(f"rollout.{method}", *args)
+
+    async def _call(self, engine, prompt_ids, params, request_id, session_id):
+        return (await self._request(engine, "generate", [(list(prompt_ids), params)], [request_id], [session_id]))[0]
+
+    async def _abort(self, engine, request_ids):
+        await self._request(engine, "abort", request_ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        import asyncio
+
+        await asyncio.gather(*(self._request(e, "pause", mode) for e in range(len(self.ranks))))
+
+    async def resume(self) -> None:
+        import asyncio
+
+        await asyncio.gather(*(self._request(e, "resume") for e in range(len(self.ranks))))
 
     def generate(self, requests: list) -> list:
         per_rank: list[tuple] = [([],) for _ in range(self.group.world_size)]
@@ -94,7 +151,8 @@ class ColocatedEngines(_Engines):
 class EngineServers(_Engines):
     """Engine actors on their own pool; the actor's rank 0 broadcasts each update to all of them."""
 
-    def __init__(self, cfg, pool, actor_group, env: dict, timeout_s: float = 600.0):
+    def __init__(self, cfg, pool, actor_group, env: dict, timeout_s: float = 600.0,
+                 max_outstanding: int = DEFAULT_MAX_OUTSTANDING):
         import ray
 
         from megarl.rollout.server import connect_servers, launch_engine_servers
@@ -115,6 +173,25 @@ class EngineServers(_Engines):
         self.group.get([self.group.execute_rank0("rollout.connect", host, port, len(self.servers) + 1,
                                                  weights_backend, timeout_s)])
         ray.get(joins)
+        self.router = EngineRouter(len(self.servers), max_outstanding=max_outstanding)
+
+    async def _call(self, engine, prompt_ids, params, request_id, session_id):
+        return await self.servers[engine].generate.remote(list(prompt_ids), params, request_id=request_id,
+                                                          session_id=session_id)
+
+    async def _abort(self, engine, request_ids):
+        await self.servers[engine].abort.remote(request_ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Pause every server (e.g. around a weight update, so all switch versions together)."""
+        import asyncio
+
+        await asyncio.gather(*(server.pause.remote(mode) for server in self.servers))
+
+    async def resume(self) -> None:
+        import asyncio
+
+        await asyncio.gather(*(server.resume.remote() for server in self.servers))
 
     def generate(self, requests: list) -> list:
         import ray

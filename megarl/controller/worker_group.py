@@ -19,7 +19,10 @@ name the role and the method and return Ray futures:
     log_probs = group.collect(call)                          # first TP rank, last PP stage, CP 0
 
 A host runs every call inside the role's `boundary()` when it has one (for engine roles: megatron's
-device mode and offload residency, `megarl.workers.base.EngineRole`).
+device mode and offload residency, `megarl.workers.base.EngineRole`). Calls run one at a time on
+one thread (Ray's default concurrency group), except those sent to `REQUEST_GROUP`, a concurrency
+group of `REQUEST_CONCURRENCY` threads for per-request rollout calls (a colocated engine serves
+many requests at once; the driver never overlaps them with training calls).
 Imports Ray lazily (the module imports without it).
 """
 from __future__ import annotations
@@ -37,6 +40,12 @@ from megarl.data.batch import Batch
 from megarl.utils.remote import ALL, METRICS, ROWS, remote_methods
 
 R = TypeVar("R")
+REQUEST_GROUP = "requests"
+"""The worker host's concurrency group for per-request calls (`rollout.generate` of one request, `rollout.abort`):
+call `worker.call.options(concurrency_group=REQUEST_GROUP).remote(...)`. Every other call runs in the
+default group, one at a time on one thread, exactly as without the group."""
+REQUEST_CONCURRENCY = 128
+"""Threads of the request group: requests one worker host serves at once (each call blocks a thread)."""
 
 
 class WorkerError(RuntimeError):
@@ -110,7 +119,9 @@ class WorkerGroup:
 
         self.pool, self.name = pool, name or pool.name
         self.slots = pool.slots()
-        host_cls = ray.remote(WorkerHost)
+        # training calls keep the default group (one thread, in order, as the driver issues them);
+        # per-request rollout calls run in their own group, many at once (`REQUEST_GROUP`)
+        host_cls = ray.remote(concurrency_groups={REQUEST_GROUP: REQUEST_CONCURRENCY})(WorkerHost)
         runtime_env = {"env_vars": dict(env)} if env else None
         self.workers = [host_cls.options(name=None, runtime_env=runtime_env, **pool.actor_options(slot)).remote()
                         for slot in self.slots]

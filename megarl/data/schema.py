@@ -58,11 +58,17 @@ ROLLOUT_COLUMNS: dict[str, Column] = {
     "dataset_index": _c("object", "B", "dataset", "the row's index in its dataset"),
     "extra_info": _c("object", "B", "dataset", "per-row extras handed to the reward function"),
     # -- rollout (megarl.trainer.batching) ---------------------------------------------------------
-    "response_mask": _c("int", "B,T", "rollout", "1 on response tokens the policy generated (0: padding)"),
+    "response_mask": _c("int", "B,T", "rollout", "1 on response tokens the policy generated (0: padding, and tool /"
+                        " user / environment tokens between turns)"),
     "rollout_log_probs": _c("float", "B,T", "rollout", "the engine's log-prob of each sampled token"),
     "uid": _c("object", "B", "rollout", "prompt group id (samples of one prompt share it)"),
     "finish_reason": _c("object", "B", "rollout", "stop or length"),
-    "policy_version": _c("int", "B", "rollout", "optimizer step of the weights that generated the row"),
+    "policy_version": _c("int", "B", "rollout", "oldest policy version (optimizer step) among the row's tokens"),
+    "response_versions": _c("int", "B,T", "rollout", "policy version of each generated token (-1: not generated)"),
+    "turn_rewards": _c("float", "B,T", "rollout", "per-turn rewards (environments, tools) on each turn's last token"),
+    "reward_extras": _c("object", "B", "rollout", "what the agent loop learned for the reward (tool rewards, ...)"),
+    "agent_turns": _c("object", "B", "rollout", "per-turn records of multi-turn rows (None for one turn)"),
+    "agent_name": _c("object", "B", "dataset", "the agent loop of the row (default: rollout.agent.default_agent)"),
     # -- rewards (trainer loop, megarl.rewards, the reward model) ----------------------------------
     "response_text": _c("object", "B", "reward", "the decoded response the reward function read"),
     "scores": _c("float", "B", "reward", "outcome score per row (rule + reward model + shaping)"),

@@ -28,30 +28,40 @@ def make_arithmetic_dataset(
     max_operand: int = 4,
     ops: tuple[str, ...] = ("+",),
     chat: bool = True,
+    num_operands: int = 2,
 ) -> list[dict[str, Any]]:
-    """`n` problems "a+b=" with operands in [0, max_operand]; the answer is the integer, as digits.
+    """`n` problems like "a+b=" with operands in [0, max_operand]; the answer is the integer, as digits.
 
-    The default (sums 0-8, one digit) is what a 2-layer, hidden-64 model learnt from scratch with
-    GRPO on CPU in a few hundred steps (fastest with raw prompts, `chat=False`); `max_operand=9`
-    (two-digit sums), `ops=("+", "-", "*")` or larger operands make it harder.
+    `num_operands` operands joined by operators drawn from `ops` ("3+5+8=" with 3; `*` binds tighter,
+    as in Python). The default (sums 0-8, one digit) is what a 2-layer, hidden-64 model learnt from
+    scratch with GRPO on CPU in a few hundred steps, but it has only 25 distinct problems; the
+    quickstart uses three operands 0-9 (1,000 distinct problems, sums 0-27).
     """
     bad = [op for op in ops if op not in ARITHMETIC_OPS]
     if bad or not ops:
         raise ValueError(f"ops must be a non-empty subset of {ARITHMETIC_OPS}, got {ops}")
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    if num_operands < 2:
+        raise ValueError(f"num_operands must be >= 2, got {num_operands}")
     rng = random.Random(seed)
-    return [_arithmetic_row(rng, i, max_operand, ops, chat) for i in range(n)]
+    return [_arithmetic_row(rng, i, max_operand, ops, chat, num_operands) for i in range(n)]
 
 
-def _arithmetic_row(rng: random.Random, index: int, max_operand: int, ops: tuple[str, ...], chat: bool) -> dict[str, Any]:
-    a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+def _arithmetic_row(rng: random.Random, index: int, max_operand: int, ops: tuple[str, ...], chat: bool,
+                    num_operands: int = 2) -> dict[str, Any]:
+    operands = [rng.randint(0, max_operand) for _ in range(2)]
+    operators = [rng.choice(ops)]
+    for _ in range(num_operands - 2):  # draw order of the two-operand case kept: same seed, same problems
+        operands.append(rng.randint(0, max_operand))
+        operators.append(rng.choice(ops))
+    expression = "".join(f"{x}{op}" for x, op in zip(operands, operators)) + str(operands[-1])
     return {
-        "prompt": _prompt(f"{a}{op}{b}=", chat),
-        "ground_truth": str(answer),
+        "prompt": _prompt(f"{expression}=", chat),
+        "ground_truth": str(int(evaluate_equation(expression))),
         "data_source": "arithmetic",
-        "extra_info": {"index": index, "a": a, "b": b, "op": op},
+        "extra_info": {"index": index, "a": operands[0], "b": operands[1], "op": operators[0],
+                       "operands": operands, "ops": operators},
     }
 
 
@@ -126,22 +136,61 @@ def make_task_dataset(task: str, n: int, seed: int = 0, **kwargs) -> list[dict[s
     return TASKS[task](n, seed=seed, **kwargs)
 
 
-def write_task_splits(task: str, n: int, out_dir: str, seed: int = 0, test_fraction: float = 0.1, **kwargs) -> dict[str, str]:
+HOLDOUTS = ("samples", "problems")
+
+
+def write_task_splits(task: str, n: int, out_dir: str, seed: int = 0, test_fraction: float = 0.1,
+                      holdout: str = "samples", **kwargs) -> dict[str, str]:
     """Write `n` rows as `train.parquet` + `test.parquet` (a `test_fraction` share) in `out_dir`.
 
-    The test split is drawn from the same distribution with another seed: held-out samples, not
-    held-out problems (single-digit addition has only 100 distinct problems). Returns the paths.
+    `holdout="samples"`: the test split is drawn from the same distribution with another seed
+    (held-out samples; single-digit addition has only 100 distinct problems, so the splits share
+    problems). `holdout="problems"`: the test rows are distinct problems and no train row repeats
+    one of them (train rows may repeat each other). Returns the paths.
     """
     from megarl.data.datasets import save_rows
 
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if holdout not in HOLDOUTS:
+        raise ValueError(f"holdout must be one of {HOLDOUTS}, got {holdout!r}")
     n_test = max(1, round(n * test_fraction))
-    splits = {
-        "train": make_task_dataset(task, n - n_test, seed=seed, **kwargs),
-        "test": make_task_dataset(task, n_test, seed=seed + 1_000_003, **kwargs),
-    }
+    test_seed = seed + 1_000_003
+    if holdout == "samples":
+        splits = {"train": make_task_dataset(task, n - n_test, seed=seed, **kwargs),
+                  "test": make_task_dataset(task, n_test, seed=test_seed, **kwargs)}
+    else:
+        test = _draw_rows(task, n_test, test_seed, kwargs, distinct=True)
+        exclude = {_problem_key(row) for row in test}
+        splits = {"train": _draw_rows(task, n - n_test, seed, kwargs, exclude=exclude), "test": test}
     paths = {name: os.path.join(out_dir, f"{name}.parquet") for name in splits}
     for name, rows in splits.items():
         save_rows(rows, paths[name])
     return paths
+
+
+def _problem_key(row: dict[str, Any]) -> str:
+    return json.dumps(row["prompt"], sort_keys=True)
+
+
+def _draw_rows(task: str, n: int, seed: int, kwargs: dict, exclude: frozenset | set = frozenset(),
+               distinct: bool = False) -> list[dict[str, Any]]:
+    """The first `n` rows of the task's stream (deterministic in `seed`) whose problem is not in
+    `exclude` (and, with `distinct`, not already taken)."""
+    draws = n
+    while True:
+        rows, taken = [], set(exclude)
+        for row in make_task_dataset(task, draws, seed=seed, **kwargs):
+            key = _problem_key(row)
+            if key not in taken:
+                rows.append(row)
+                if distinct:
+                    taken.add(key)
+            if len(rows) == n:
+                return rows
+        if draws >= 64 * n:
+            raise ValueError(f"{task}: only {len(rows)} of the {n} rows needed are distinct problems outside the "
+                             f"test split in {draws} draws: the task has too few problems for holdout='problems' "
+                             "at this size; lower n or test_fraction, widen the task (max_operand, num_operands), "
+                             "or use holdout='samples'")
+        draws *= 4

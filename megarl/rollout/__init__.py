@@ -1,11 +1,15 @@
 """Rollout: engines that generate with the current policy, and the weight sync that feeds them.
 
-Modules: `base` (the engine contract: `SamplingParams`, `Completion`, `RolloutEngine`,
-`WeightUpdateError`), `vllm_engine` (vLLM in-process; the production backend), `vllm_patches`
-(the fixes vLLM's in-place reload needs, with their version checks), `embedded` (`transformers`;
-the fallback where vLLM is absent), `server` (engines as Ray actors that receive weights by
-broadcast), `sharding` (the sharding manager's planner, the weight-sync protocol — `FlatBucket`,
-`Sender` — and its senders: in place, IPC, broadcast).
+Modules: `base` (the engine contract: `SamplingParams`, `Completion` with per-token policy
+versions, `RolloutEngine` — per-request `generate` with request / session ids, `abort`, `pause` /
+`resume`, updates inside `updating` — and `WeightUpdateError`), `loop` (each engine's own event
+loop thread), `vllm_engine` (vLLM's `AsyncLLM`: continuous batching, prefix caching; the
+production backend), `vllm_patches` (the fixes vLLM's in-place reload needs, with their version
+checks), `embedded` (`transformers`; the fallback where vLLM is absent) with `batcher` (its
+batch-at-a-time scheduler that pauses and aborts at token boundaries), `router` (requests over
+several engines: sticky per session, least outstanding, bounded), `server` (engines as Ray actors
+that receive weights by broadcast), `sharding` (the sharding manager's planner, the weight-sync
+protocol — `FlatBucket`, `Sender` — and its senders: in place, IPC, broadcast).
 Importing this package does not import vLLM, Ray or megatron.
 """
 from __future__ import annotations

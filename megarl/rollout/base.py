@@ -1,22 +1,37 @@
-"""The rollout-engine contract: async, per request, with validated in-place weight updates.
+"""The rollout-engine contract: async, per request, continuously batched, with validated weight updates.
 
 Owns: `SamplingParams`, `Completion` and `RolloutEngine`, the base class of the vLLM backend
-(`vllm_engine.py`) and the embedded `transformers` engine (`embedded.py`); re-exports
-`WeightUpdateError` (defined with the weight-sync protocol, `sharding/protocol.py`).
-Imports torch, the standard library and the weight-sync protocol (`sharding.plan`, `.protocol`,
-`.senders`; no vLLM, Ray or megatron).
+(`vllm_engine.py`: vLLM's `AsyncLLM`) and the embedded `transformers` engine (`embedded.py`);
+re-exports `WeightUpdateError` (defined with the weight-sync protocol, `sharding/protocol.py`).
+Imports torch, the standard library, the engine loop (`loop.py`) and the weight-sync protocol
+(`sharding.plan`, `.protocol`, `.senders`; no vLLM, Ray or megatron).
 
-Requests are per prompt (`await engine.generate(prompt_ids, params)` → `n` completions) so
-single-turn rollouts, multi-turn agent loops and asynchronous training share one API. Engines
-batch concurrent requests themselves: `generate` queues the request and one background batch
-at a time runs in a worker thread (`_generate_requests`).
+Requests are per prompt, with an id and an optional session id (the turns of one conversation):
 
-Weights arrive through the weight-sync protocol (`sharding/protocol.py`): a `Sender` checks an
-update's names and shapes against `check_update` *before* anything is loaded (a wrong name or
-shape raises `WeightUpdateError` naming the tensor, and the engine keeps serving the previous
-version), then streams the tensors into `load(weights, version)`, which stamps the policy version
-every later completion carries. `update_weights(list of (HF name, tensor))` is the convenience
-entry for tests and tools: it runs the same protocol with the engine's own sender (`sender_for`).
+    completions = await engine.generate(prompt_ids, params, request_id="r1", session_id="s1")
+    await engine.abort(["r1"])          # r1's generate returns its partial output, finish_reason "abort"
+    engine.generate_sync(prompts, params)   # a batch from plain code (one list of completions per prompt)
+
+Every engine runs its coroutines on an event loop of its own (`loop.EngineLoop`), so `generate` may
+be awaited from any thread and any event loop at once; a request joins the batch that is running
+(vLLM: continuous batching; the embedded engine: at its next batch). The session id is for routing
+and logs only (the driver sends every turn of a session to one engine, whose prefix cache then
+holds the conversation).
+
+Weight updates: a `Sender` checks an update's names and shapes against `check_update` *before*
+anything is loaded (a wrong name or shape raises `WeightUpdateError` naming the tensor and the
+engine keeps serving the previous version), then streams the tensors in. Loading runs inside
+`updating(version)`: the engine pauses (`update_mode`: "keep" freezes in-flight requests, which
+continue on the new weights after it — partial rollouts, their KV recomputed on the new weights;
+"abort" ends them with their partial outputs; "wait" drains them first), loads, takes the policy
+`version`, and resumes. Every generated token carries the version of the weights that produced it
+(`Completion.versions`): tokens before an update the old one, after it the new one. A failure before
+any tensor reached the model resumes on the previous weights and version; a failure after that
+leaves weights of two versions in the model, so the engine ends its in-flight requests (partial
+outputs, finish_reason "abort": nothing is lost) and refuses new ones until an update succeeds.
+`update_weights(list of (HF name, tensor))` is the convenience entry for tests and tools: it runs
+the same protocol with the engine's own sender (`sender_for`). A caller may also `pause(mode)` and
+`resume()` around an update itself (engine servers do, so all engines switch together).
 
 Log-probs (the temperature contract): a completion's log-probs are those of the distribution each
 token was sampled from — log_softmax(logits / temperature), restricted to the top-k / top-p set
@@ -26,20 +41,26 @@ when those are on; temperature 1 when greedy — which is what the actor compute
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from megarl.rollout.loop import EngineLoop
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec
-from megarl.rollout.sharding.protocol import WeightUpdateError, bucket_tensors
+from megarl.rollout.sharding.protocol import UpdateProgress, WeightUpdateError, bucket_tensors
 from megarl.rollout.sharding.senders import sender_for
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "check_specs"]
+__all__ = ["Completion", "PAUSE_MODES", "RolloutEngine", "SamplingParams", "WeightUpdateError", "check_specs"]
 WeightStream = Iterable[tuple[str, torch.Tensor]]
+PAUSE_MODES = ("keep", "abort", "wait")
+"""How a pause treats in-flight requests: keep (freeze; they continue after `resume`, on the weights
+loaded meanwhile), abort (end now with their partial outputs, finish_reason "abort"), wait (drain first)."""
 
 
 @dataclass(frozen=True)
@@ -85,20 +106,35 @@ class Completion:
     logprobs: Optional[list[float]]
     """log π(token_t | prefix) per generated token, at the sampling temperature (see `SamplingParams.logprobs`)."""
     finish_reason: str
-    """"stop" (a stop token was generated) or "length" (max_tokens reached)."""
+    """"stop" (a stop token was generated), "length" (max_tokens reached) or "abort" (`abort`, or a
+    pause in mode abort, ended it: the tokens are what was generated until then)."""
     version: int = 0
-    """Policy version of the weights that generated it."""
+    """The oldest policy version among its tokens (the engine's version when it has none): the
+    version a staleness bound compares with."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version of the weights that generated each token (one per token): a request that ran
+    across a weight update carries the old version up to the switch and the new one after it."""
+    request_id: str = ""
+    """The id of the request that produced it (the caller's, or one the engine made up)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the engine's prefix cache (vLLM; 0 for the embedded engine)."""
 
 
-@dataclass
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    future: asyncio.Future = field(repr=False)
+def make_completion(token_ids, logprobs, finish_reason: str, versions: Sequence[int], current: int,
+                    num_cached_tokens: int = 0) -> Completion:
+    """A `Completion` whose `version` follows from its per-token `versions` (`current` when it has no token)."""
+    versions = [int(v) for v in versions]
+    return Completion(list(token_ids), logprobs, finish_reason, version=min(versions, default=current),
+                      versions=versions, num_cached_tokens=num_cached_tokens)
 
 
 class RolloutEngine(ABC):
-    """Base class: request batching, version bookkeeping and update validation."""
+    """Base class: the engine loop, request ids, pause/resume, version bookkeeping and update validation.
+
+    Backends implement the coroutines `_generate`, `_abort`, `_pause`, `_resume` (run on the engine
+    loop), and `_score`, `_load_weights` / an IPC load, `expected_weights`.
+    update_mode: how in-flight requests ride through a weight update (`PAUSE_MODES`).
+    """
 
     in_process = True
     """The model lives in this process (weights are loaded in place); False: by IPC (`sender_for`)."""
@@ -108,71 +144,121 @@ class RolloutEngine(ABC):
     update_bucket_bytes = DEFAULT_BUCKET_BYTES
     """Bucket bound of `update_weights` (a list of tensors is bucketed like a sync)."""
 
-    def __init__(self):
+    def __init__(self, *, update_mode: str = "keep"):
+        _check_mode(update_mode, "update_mode")
+        self.update_mode = update_mode
         self.version = 0
         self.asleep = False
-        self._pending: list[_Request] = []
-        self._flush: Optional[asyncio.Task] = None
-        self._lock = threading.Lock()  # one batch or one weight update at a time
+        self.paused = False
+        self.broken: Optional[str] = None
+        """Why the engine refuses requests after an update failed partway (None: it serves)."""
+        self.loop = EngineLoop(f"megarl-{type(self).__name__}")
+        self._requests: dict[str, Optional[str]] = {}  # in flight: request id → session id (engine loop only)
+        self._update_lock = threading.Lock()  # one weight update at a time
 
     # -- generation -------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams()
-                       ) -> list[Completion]:
-        """`params.n` completions of one prompt."""
-        if self.asleep:
-            raise RuntimeError("engine is asleep; call wake_up() before generating")
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(), *,
+                       request_id: Optional[str] = None, session_id: Optional[str] = None) -> list[Completion]:
+        """`params.n` completions of one prompt; joins the running batch. Awaitable from any event loop."""
         if not prompt_token_ids:
             raise ValueError("empty prompt: at least one token id is needed")
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(map(int, prompt_token_ids)), params, future))
-        if self._flush is None or self._flush.done():
-            self._flush = asyncio.ensure_future(self._run_pending())
-        return await future
+        prompt = list(map(int, prompt_token_ids))
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        return await self.loop.call(self._serve(prompt, params, str(request_id), session_id))
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
                              ) -> list[list[Completion]]:
-        """`generate` for many prompts at once (one engine batch)."""
+        """`generate` for many prompts at once."""
         return list(await asyncio.gather(*(self.generate(p, params) for p in prompts)))
 
     def generate_sync(self, prompts, params: SamplingParams = SamplingParams()) -> list[list[Completion]]:
-        """`generate_batch` from synchronous code (no running event loop)."""
-        return asyncio.run(self.generate_batch(prompts, params))
+        """`generate_batch` from plain code (blocks this thread, never the engine's loop)."""
+        return self.loop.run(self.generate_batch(prompts, params))
 
-    async def _run_pending(self) -> None:
-        await asyncio.sleep(0)  # let concurrent callers enqueue
-        while self._pending:
-            batch, self._pending = self._pending, []
-            try:
-                results = await asyncio.to_thread(self._locked_generate, batch)
-            except BaseException as exc:  # noqa: BLE001 - every waiting request gets the error
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(exc)
-                continue
-            for req, completions in zip(batch, results):
-                if not req.future.done():
-                    req.future.set_result(completions)
+    def run_sync(self, coro):
+        """Run one of the engine's coroutines (`abort`, `pause`, ...) from plain code."""
+        return self.loop.run(coro)
 
-    def _locked_generate(self, batch: list[_Request]) -> list[list[Completion]]:
-        with self._lock:
-            version = self.version
-            results = self._generate_requests([(r.prompt, r.params) for r in batch])
-        for completions in results:
-            for c in completions:
-                c.version = version
-        return results
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (queued or running)."""
+        return len(self._requests)
+
+    async def _serve(self, prompt: list[int], params: SamplingParams, request_id: str, session_id) -> list[Completion]:
+        if self.asleep:
+            raise RuntimeError("engine is asleep; call wake_up() before generating")
+        if self.broken:
+            raise RuntimeError(self.broken)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight on this engine; request ids must be"
+                             " unique (leave request_id=None for a fresh one)")
+        self._requests[request_id] = session_id
+        try:
+            completions = await self._generate(prompt, params, request_id)
+        finally:
+            self._requests.pop(request_id, None)
+        for c in completions:
+            c.request_id = request_id
+        return completions
 
     @abstractmethod
-    def _generate_requests(self, requests: list[tuple[list[int], SamplingParams]]) -> list[list[Completion]]:
-        """Run one batch: for every (prompt, params), `params.n` completions."""
+    async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> list[Completion]:
+        """On the engine loop: `params.n` completions of one request (partial, finish "abort", when aborted)."""
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """End these requests now; their `generate` calls return the partial outputs (unknown ids: ignored)."""
+        ids = [request_ids] if isinstance(request_ids, str) else [str(i) for i in request_ids]
+        await self.loop.call(self._abort_known(ids))
+
+    async def _abort_known(self, ids: list[str]) -> None:
+        known = [i for i in ids if i in self._requests]
+        if known:
+            await self._abort(known)
+
+    @abstractmethod
+    async def _abort(self, request_ids: list[str]) -> None:
+        """On the engine loop: end these in-flight requests with their partial outputs."""
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log π(token_t | tokens_<t) for t = 1..len-1 of every sequence (teacher forcing)."""
-        with self._lock:
-            return self._score(sequences)
+        return self._score(sequences)
 
     @abstractmethod
     def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        ...
+
+    # -- pause / resume ---------------------------------------------------------------------
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop generating (`PAUSE_MODES`); new requests queue until `resume`. A no-op when paused."""
+        _check_mode(mode, "pause mode")
+        await self.loop.call(self._pause_once(mode))
+
+    async def _pause_once(self, mode: str) -> None:
+        if self.paused:
+            return
+        self.paused = True
+        try:
+            await self._pause(mode)
+        except BaseException:
+            self.paused = False
+            await self._resume()
+            raise
+
+    async def resume(self) -> None:
+        """Continue generating: kept and queued requests run (on the weights loaded meanwhile)."""
+        await self.loop.call(self._resume_once())
+
+    async def _resume_once(self) -> None:
+        if self.paused:
+            await self._resume()
+            self.paused = False
+
+    @abstractmethod
+    async def _pause(self, mode: str) -> None:
+        """On the engine loop: returns once no forward pass runs (keep, abort) or in-flight requests are done (wait)."""
+
+    @abstractmethod
+    async def _resume(self) -> None:
         ...
 
     # -- memory -----------------------------------------------------------------------------
@@ -182,6 +268,10 @@ class RolloutEngine(ABC):
 
     def wake_up(self) -> None:
         self.asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine's loop (backends stop their engines first)."""
+        self.loop.close()
 
     # -- weights ----------------------------------------------------------------------------
     @abstractmethod
@@ -209,14 +299,58 @@ class RolloutEngine(ABC):
 
     def load(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> int:
         """Copy already-checked tensors in place and take policy `version` (an in-place sender calls this)."""
-        with self._lock:
-            self._load_weights(weights)
-            self.version = version
+        with self.updating(version) as progress:
+            self._load_weights(progress.track(weights))
         return version
+
+    @contextlib.contextmanager
+    def updating(self, version: int, progress: Optional[UpdateProgress] = None):
+        """Pause (`update_mode`, unless the caller paused already) → the block loads → `version` → resume.
+
+        The block marks `progress.touched` once a tensor may have reached the model. On failure the
+        version stays; with `touched` the engine also ends its in-flight requests and refuses new
+        ones (`broken`) until an update succeeds. The error is re-raised.
+        """
+        progress = progress or UpdateProgress()
+        with self._update_lock:
+            pause_here = not self.paused
+            if pause_here:
+                self.run_sync(self.pause(self.update_mode))
+            try:
+                yield progress
+                self.run_sync(self._commit(version))
+            except BaseException as exc:
+                if progress.touched:
+                    self.run_sync(self._break(version, exc))
+                raise
+            finally:
+                if pause_here:
+                    self.run_sync(self.resume())
+
+    async def _commit(self, version: int) -> None:
+        await self.loop.call(self._set_version(version))
+        self.version, self.broken = version, None
+
+    async def _break(self, version: int, exc: BaseException) -> None:
+        async def run():
+            self.broken = (f"a weight update to policy version {version} failed after some tensors were loaded"
+                           f" ({type(exc).__name__}: {exc}); the model now mixes two versions, so this engine"
+                           f" refuses requests until an update succeeds (its version is still {self.version})")
+            if self._requests:
+                await self._abort(list(self._requests))
+        await self.loop.call(run())
+
+    async def _set_version(self, version: int) -> None:
+        """On the engine loop, while paused: tokens generated from now on carry `version`."""
 
     @abstractmethod
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy the tensors into the model in place and drop caches derived from old weights."""
+
+
+def _check_mode(mode: str, what: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"{what} {mode!r} is unknown; pick one of {', '.join(PAUSE_MODES)}")
 
 
 def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | tuple], *, partial: bool = False,
@@ -245,7 +379,3 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | t
             f"weight update lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}; nothing was loaded"
             " (pass partial=True to update a subset)")
 
-
-def run_sync(coro):
-    """Run a coroutine from synchronous code (a fresh event loop)."""
-    return asyncio.run(coro)

@@ -12,16 +12,24 @@ embeddings are one tensor), strict names and shapes. Names are the checkpoint's 
 transformers modules fuse the experts ([experts, 2·ffn, hidden] gate-up, [experts, hidden, ffn]
 down), each per-expert name is a view into the fused parameter (`checkpoint_params`). The fallback, not the default:
 `megarl.rollout.create_engine` picks vLLM wherever it imports.
+
+Scheduling (`batcher.BatchScheduler`): one batch at a time in a worker thread; a request arriving
+meanwhile joins the next batch. Between two forward passes a batch meets the engine's pauses and
+aborts: paused in mode keep it parks (weights load meanwhile; it then recomputes its KV cache on
+the new weights and continues, its later tokens stamped with the new version), aborted rows end
+with their partial output.
 """
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, make_completion
+from megarl.rollout.batcher import BatchScheduler, Pending
 
 
 def checkpoint_params(model) -> dict[str, torch.Tensor]:
@@ -49,14 +57,17 @@ def checkpoint_params(model) -> dict[str, torch.Tensor]:
 class EmbeddedEngine(RolloutEngine):
     """A `transformers` causal LM behind the rollout-engine API (CPU or one GPU)."""
 
-    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        super().__init__()
+    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 update_mode: str = "keep"):
+        super().__init__(update_mode=update_mode)
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
+        self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
+        self._scheduler = BatchScheduler(self._run_batch, lambda pending: _aborted_before_start(pending, self.version))
 
     def describe(self) -> str:
         return f"embedded ({Path(self.model_path).name})"
@@ -66,7 +77,7 @@ class EmbeddedEngine(RolloutEngine):
         return {name: tuple(p.shape) for name, p in self._params.items()}
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self._weights_lock:
             for name, tensor in weights:
                 self._params[name].copy_(tensor)
 
@@ -82,49 +93,123 @@ class EmbeddedEngine(RolloutEngine):
             self.model.to(self.device)
         super().wake_up()
 
-    # -- generation -------------------------------------------------------------------------
-    def _generate_requests(self, requests):
-        results: list[list[Completion]] = [[] for _ in requests]
+    # -- requests (engine loop) -------------------------------------------------------------
+    async def _generate(self, prompt, params, request_id):
+        return await self._scheduler.submit(prompt, params, request_id)
+
+    async def _abort(self, request_ids):
+        self._scheduler.abort(request_ids)
+
+    async def _pause(self, mode):
+        await self._scheduler.pause(mode)
+
+    async def _resume(self):
+        await self._scheduler.resume()
+
+    # -- batches (worker thread) ------------------------------------------------------------
+    def _run_batch(self, batch: list[Pending]) -> list[list[Completion]]:
+        """Requests grouped by prompt length and params (no padding enters the attention)."""
+        results: list[list[Completion]] = [[] for _ in batch]
         groups = defaultdict(list)
-        for i, (prompt, params) in enumerate(requests):
-            groups[(len(prompt), params)].append(i)
+        for i, pending in enumerate(batch):
+            groups[(len(pending.prompt), pending.params)].append(i)
         for (_, params), members in groups.items():
-            prompts = [requests[i][0] for i in members for _ in range(params.n)]
-            completions = self._sample(prompts, params)
+            prompts = [batch[i].prompt for i in members for _ in range(params.n)]
+            ids = [batch[i].request_id for i in members for _ in range(params.n)]
+            completions = self._sample(prompts, params, ids)
             for j, i in enumerate(members):
                 results[i] = completions[j * params.n:(j + 1) * params.n]
         return results
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One batch of equal-length prompts, KV-cached, until every row stopped or max_tokens."""
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, ids: list[str]) -> list[Completion]:
+        """One batch of equal-length prompts, KV-cached, until every row ended or max_tokens.
+
+        Before every forward pass the gate may park the batch (pause keep) or end rows (abort). When
+        the weights changed while it was parked, the KV cache is recomputed on the new weights from
+        the prompt and the tokens so far (a fresh run from that prefix), as vLLM recomputes its
+        preempted requests."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        ids = torch.tensor(prompts, device=self.device)
-        stops = torch.tensor(list(params.stop_token_ids) or [-1], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
-        tokens, logps = [], []
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        rows = _Rows(torch.tensor(prompts, device=self.device), params)
+        past, version, token = None, None, None
         for _ in range(params.max_tokens):
-            token, logp = _pick(logits, params, generator)
-            tokens.append(token)
-            logps.append(logp)
-            done |= torch.isin(token, stops)
-            if bool(done.all()) or len(tokens) == params.max_tokens:
+            aborted = self._scheduler.gate.checkpoint(ids)  # parks here while paused (keep)
+            rows.abort(i for i, r in enumerate(ids) if r in aborted)
+            if rows.all_ended():
                 break
-            out = self.model(input_ids=token[:, None], past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1].float()
-        return _completions(torch.stack(tokens, 1), torch.stack(logps, 1), stops, params)
+            with self._weights_lock:
+                if version != self.version:  # first pass, or new weights: (re)compute from the whole prefix
+                    version = self.version
+                    logits, past = self._forward(rows.sequences(), None)
+                else:
+                    logits, past = self._forward(token[:, None], past)
+            token, logp = _pick(logits, params, generator)
+            rows.append(token, logp, version)
+            if rows.all_ended():
+                break
+        return rows.completions(self.version)
+
+    def _forward(self, ids: torch.Tensor, past):
+        out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+        return out.logits[:, -1].float(), out.past_key_values
 
     @torch.no_grad()
     def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         scores = []
         for seq in sequences:
             ids = torch.tensor([list(seq)], device=self.device)
-            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
+            with self._weights_lock:
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, -1)
             scores.append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
         return scores
+
+
+class _Rows:
+    """The rows of one sampling batch: tokens, log-probs and versions so far, and where each row ended."""
+
+    def __init__(self, prompts: torch.Tensor, params: SamplingParams):
+        self.prompts, self.params = prompts, params
+        self.stops = torch.tensor(list(params.stop_token_ids) or [-1], device=prompts.device)
+        self.tokens: list[torch.Tensor] = []
+        self.logps: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.ends: list[Optional[tuple[int, str]]] = [None] * len(prompts)
+
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompts, *(t[:, None] for t in self.tokens)], 1)
+
+    def append(self, token: torch.Tensor, logp: torch.Tensor, version: int) -> None:
+        self.tokens.append(token)
+        self.logps.append(logp)
+        self.versions.append(version)
+        for i in torch.isin(token, self.stops).nonzero()[:, 0].tolist():
+            if self.ends[i] is None:
+                self.ends[i] = (len(self.tokens), "stop")
+
+    def abort(self, rows: Iterable[int]) -> None:
+        for i in rows:
+            if self.ends[i] is None:
+                self.ends[i] = (len(self.tokens), "abort")
+
+    def all_ended(self) -> bool:
+        return all(e is not None for e in self.ends) or len(self.tokens) == self.params.max_tokens
+
+    def completions(self, current_version: int) -> list[Completion]:
+        tokens = torch.stack(self.tokens, 1).tolist() if self.tokens else [[] for _ in self.ends]
+        logps = torch.stack(self.logps, 1).tolist() if self.logps else [[] for _ in self.ends]
+        out = []
+        for row_tokens, row_logps, end in zip(tokens, logps, self.ends):
+            stop, reason = end if end is not None else (len(row_tokens), "length")
+            out.append(make_completion(row_tokens[:stop], row_logps[:stop] if self.params.logprobs else None,
+                                       reason, self.versions[:stop], current_version))
+        return out
+
+
+def _aborted_before_start(pending: Pending, version: int) -> list[Completion]:
+    return [Completion([], [] if pending.params.logprobs else None, "abort", version)
+            for _ in range(pending.params.n)]
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -151,12 +236,3 @@ def _truncated(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return scaled
 
-
-def _completions(tokens: torch.Tensor, logps: torch.Tensor, stops: torch.Tensor, params) -> list[Completion]:
-    out = []
-    for row_tokens, row_logps in zip(tokens.tolist(), logps.tolist()):
-        end = next((i + 1 for i, t in enumerate(row_tokens) if t in params.stop_token_ids), None)
-        reason = "stop" if end is not None else "length"
-        end = end or len(row_tokens)
-        out.append(Completion(row_tokens[:end], row_logps[:end] if params.logprobs else None, reason))
-    return out

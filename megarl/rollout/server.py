@@ -1,7 +1,9 @@
 """Server mode: rollout engines as Ray actors with their own resources, fed weights by broadcast.
 
-Owns: `EngineServer` (an engine inside an async Ray actor: concurrent `generate` calls are
-batched by the engine; weight updates arrive over a `WeightGroup` from one trainer rank) and
+Owns: `EngineServer` (an engine inside an async Ray actor: concurrent `generate` calls — one
+request each, with a request id and a session id — join the engine's running batch; `abort`,
+`pause` / `resume` pass through; weight updates arrive over a `WeightGroup` from one trainer rank,
+and the engine pauses itself around each load, its `update_mode`) and
 `launch_engine_servers` / `connect_servers`, the driver-side helpers. The trainer rank that
 holds the gathered weights (the sharding manager's rollout rank) is rank 0 of the weight group
 and calls `ShardingManager.sync(BroadcastSender(group), version)`; the driver asks every server to
@@ -29,12 +31,21 @@ class EngineServer:
         self._receiver = None
         self._joined = threading.Event()  # Ray may start receive_update before join_weight_group
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams()
-                       ) -> list[Completion]:
-        return await self.engine.generate(prompt_token_ids, params)
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(), *,
+                       request_id: Optional[str] = None, session_id: Optional[str] = None) -> list[Completion]:
+        return await self.engine.generate(prompt_token_ids, params, request_id=request_id, session_id=session_id)
 
     async def generate_batch(self, prompts, params: SamplingParams = SamplingParams()) -> list[list[Completion]]:
         return await self.engine.generate_batch(prompts, params)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.engine.abort(request_ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
 
     async def score(self, sequences) -> list[list[float]]:
         return await asyncio.to_thread(self.engine.score, sequences)
@@ -65,11 +76,15 @@ class EngineServer:
     async def version(self) -> int:
         return self.engine.version
 
+    async def num_requests(self) -> int:
+        """Requests in flight (queued or running) on this server's engine."""
+        return self.engine.num_requests
+
     async def sleep(self) -> None:
-        self.engine.sleep()
+        await asyncio.to_thread(self.engine.sleep)
 
     async def wake_up(self) -> None:
-        self.engine.wake_up()
+        await asyncio.to_thread(self.engine.wake_up)
 
 
 def launch_engine_servers(model_path: str, num_servers: int, *, backend: str = "auto", num_cpus: float = 1,

@@ -1,102 +1,104 @@
-"""The vLLM rollout backend, in-process (`vllm.LLM`), with weights pushed in place.
+"""The vLLM rollout backend on vLLM's async engine (`AsyncLLM`): continuous batching, weights by IPC.
 
-Owns: `VLLMEngine`. By default the engine runs in the calling process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so an engine server (`server.py`) or a single-process
-trainer streams it (HF name, tensor) views of each bucket (`sharding.senders.InPlaceSender`):
-`llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=...))` feeds them to the
-model's own weight loaders (vLLM shards them for its TP), the re-pack fixes of
-`megarl.rollout.vllm_patches` run, then the prefix cache is reset (cached KV belongs to the old
-weights). vLLM's layer-wise reload keeps a layer's tensors until the layer is complete (padded
-layers until the end), so producers give it a fresh buffer per bucket (`holds_update_tensors`).
-Updates are checked first against the HF checkpoint the engine was built from (safetensors
-headers: names and shapes), so a bad update loads nothing.
+Owns: `VLLMEngine`. Every request joins the running batch (`AsyncLLM.generate`, one per request,
+on the engine's own loop), can be aborted by id, and reuses the prefix cache (on) across the turns
+of a conversation. vLLM's engine core always runs in a child process (vLLM 0.32's AsyncLLM has no
+in-process core); with rollout TP 1 it runs the model itself (`distributed_executor_backend="uni"`:
+no further process), with TP > 1 it starts one worker per GPU ("mp"; never vLLM's Ray executor,
+which would ask for GPUs our placement groups hold).
+
+Weight updates travel as IPC buckets (`sharding/ipc.py`: `IpcSender`, and `MegarlWorkerExtension`,
+installed as vLLM's `worker_extension_cls`; shared memory on CPU, CUDA IPC on GPU), to every
+vLLM worker, each loading its slice: `updating` pauses the engine (`update_mode`; "keep" with the
+caches cleared, so frozen requests recompute their KV on the new weights when they resume), the
+workers stream the buckets into ONE `reload_weights` call and apply the re-pack fixes of
+`megarl.rollout.vllm_patches`, then the engine core's weight version is set — vLLM labels every
+step's output tokens with it (`CompletionOutput.weight_versions`), which is where
+`Completion.versions` comes from — and generation resumes. vLLM's layer-wise reload keeps a
+layer's tensors until the layer is complete (padded layers until the end), so producers give it a
+buffer per bucket (`holds_update_tensors`). Updates are checked first against the HF checkpoint the
+engine was built from (safetensors headers: names and shapes), so a bad update loads nothing.
 
 Log-probs: `logprobs_mode="processed_logprobs"`, so a sampled token's log-prob is taken from the
 distribution it was sampled from (logits / temperature, then top-k / top-p; vLLM 0.32
 `Sampler.sample` and `TopKTopPSampler`); greedy requests get log_softmax(logits). Prompt log-probs
 (`score`) are unaffected (vLLM computes them from the raw logits in every mode). On CUDA this mode
-keeps vLLM on its PyTorch-native top-k/top-p sampler (FlashInfer's does not return processed
-log-probs; vLLM picks the native one itself).
+keeps vLLM on its PyTorch-native top-k/top-p sampler.
 
-Sleep/wake: on GPU `llm.sleep(level=1)` offloads weights and drops the KV cache around training
-(needs `enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and
-both are no-ops apart from refusing requests while asleep. In a process that is already a
-torch.distributed rank (colocated with training) the engine core runs in a child process
-instead — vLLM's in-process start-up would run collectives on the training world and hang —
-and updates travel as IPC buckets (`sharding/ipc.py`: `IpcSender`, and `MegarlWorkerExtension`,
-installed as vLLM's `worker_extension_cls` on every engine): shared memory on CPU, CUDA IPC on GPU.
+On CPU with TP > 1 each vLLM worker gets its share of the CPUs (`VLLM_CPU_OMP_THREADS_BIND`,
+unless set). Sleep/wake: on GPU `sleep(level=1)` offloads weights and drops the KV cache around training (needs
+`enable_sleep_mode=True`, set by default with CUDA); on CPU there is nothing to offload and both are
+no-ops apart from refusing requests while asleep. `visible_devices` is CUDA_VISIBLE_DEVICES of the
+processes vLLM starts (a colocated engine: the training rank's own GPUs).
 
 Stop behaviour: `ignore_eos=True`, generation stops only at `SamplingParams.stop_token_ids` (put
-the EOS id there), so both backends and `transformers` agree on what ends a completion.
+the EOS id there), so both backends and `transformers` agree on what ends a completion. Greedy
+requests with n > 1 run as n copies under one request id (vLLM refuses n > 1 greedy).
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
 import os
+import uuid
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
-from megarl.rollout.vllm_patches import repack_after_reload
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, make_completion
 
 WORKER_EXTENSION = "megarl.rollout.sharding.ipc.MegarlWorkerExtension"
 
 
 class VLLMEngine(RolloutEngine):
-    """`vllm.LLM` behind the rollout-engine API (CPU build in tests, CUDA in production).
+    """vLLM's `AsyncLLM` behind the rollout-engine API (CPU build in tests, CUDA in production)."""
 
-    in_process: True runs vLLM's engine core in this process (weights stream in as a Python
-    iterator); False runs it in a child process (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) and updates
-    travel as IPC buckets (`update_weights` makes buckets of `update_bucket_bytes`). None picks
-    in-process unless this process is already in a torch.distributed world (a colocated training
-    rank): vLLM's in-process start-up would then create groups on the training world
-    (`new_group`), a collective the other training ranks never join, and hang. visible_devices: CUDA_VISIBLE_DEVICES of the processes vLLM starts
-    when not in process (a colocated GPU engine: the training rank's own GPUs). TP > 1 uses vLLM's
-    multiprocessing executor (never its Ray executor, which would ask for GPUs our pools hold).
-    """
+    in_process = False  # the engine core is a child process: updates reach it by IPC (`sender_for`)
+    holds_update_tensors = True  # vLLM's layer-wise reload buffers a layer's tensors until it is complete
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: Optional[int] = None,
                  seed: int = 0, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20,
-                 in_process: Optional[bool] = None, update_bucket_bytes: Optional[int] = None,
-                 visible_devices: Optional[str] = None, **llm_kwargs):
-        super().__init__()
-        import torch.distributed as dist
-
-        self.in_process = (not (dist.is_available() and dist.is_initialized())) if in_process is None \
-            else in_process
+                 update_bucket_bytes: Optional[int] = None, visible_devices: Optional[str] = None,
+                 update_mode: str = "keep", **engine_kwargs):
+        if "in_process" in engine_kwargs:
+            raise TypeError("VLLMEngine(in_process=...) is gone: vLLM's AsyncLLM always runs its engine core in a"
+                            " child process and takes updates by IPC; drop the argument")
+        super().__init__(update_mode=update_mode)
         if update_bucket_bytes is not None:
             self.update_bucket_bytes = update_bucket_bytes
-        _set_vllm_multiprocessing(not self.in_process)
-        from vllm import LLM
-
         self.model_path = str(model_path)
         self.on_gpu = torch.cuda.is_available()
-        kwargs = dict(model=self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
-                      enforce_eager=(not self.on_gpu) if enforce_eager is None else enforce_eager,
-                      worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs")
-        if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-        else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
-            kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
-        if tensor_parallel_size > 1:  # vLLM's own worker processes; never Ray's executor inside our placement groups
-            kwargs["distributed_executor_backend"] = "mp"
-        kwargs.update(llm_kwargs)
-        with _child_visible_devices(None if self.in_process else visible_devices):
-            self.llm = LLM(**kwargs)
+        self.ipc_workers = tensor_parallel_size
+        """vLLM worker processes that each take every IPC bucket (one per rollout TP rank)."""
+        args = engine_args(self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+                           gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
+                           on_gpu=self.on_gpu, **engine_kwargs)
+        self.llm = None
+        try:
+            with _child_visible_devices(visible_devices), _cpu_thread_binding(tensor_parallel_size, self.on_gpu):
+                self.llm = self.loop.run(_start(args))
+        except BaseException:
+            self.loop.close()
+            raise
         self._expected = checkpoint_shapes(self.model_path)
-        atexit.register(self.shutdown)
+        atexit.register(_shutdown_if_alive, weakref.ref(self))  # the core process must not outlive this one
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine-core process (multiprocess mode), so it does not outlive this process."""
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+        """Stop vLLM's engine-core process and the engine loop."""
+        llm, self.llm = self.llm, None
+        if llm is not None and not self.loop.loop.is_closed():
+            self.loop.run(_stop(llm), timeout=60)
+        super().shutdown()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     def describe(self) -> str:
         return f"vLLM ({Path(self.model_path).name})"
@@ -105,72 +107,142 @@ class VLLMEngine(RolloutEngine):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         return self._expected
 
-    holds_update_tensors = True  # vLLM's layer-wise reload buffers a layer's tensors until it is complete
-
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        if not self.in_process:
-            raise RuntimeError("this vLLM engine's core runs in a child process: updates reach it by IPC"
-                               " (megarl.rollout.sharding.senders.sender_for(engine) gives an IpcSender)")
-        names: list[str] = []
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=_tap_names(weights, names)))
-        self.llm.collective_rpc(repack_after_reload, args=(names,))
-        self.llm.reset_prefix_cache()
+        raise RuntimeError("this vLLM engine's core runs in a child process: updates reach it by IPC"
+                           " (megarl.rollout.sharding.senders.sender_for(engine) gives an IpcSender)")
 
-    def load_by_ipc(self, address_template: str, authkey: bytes, version: int) -> int:
+    def load_by_ipc(self, address: str, authkey: bytes, version: int, progress=None) -> int:
         """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
-        with self._lock:
-            self.llm.collective_rpc("megarl_reload_by_ipc", args=(address_template, authkey))
-            self.llm.reset_prefix_cache()
-            self.version = version
+        with self.updating(version, progress):
+            self.run_sync(self.llm.collective_rpc("megarl_reload_by_ipc", args=(address, authkey)))
         return version
+
+    async def _set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
 
     def sleep(self) -> None:
         if self.on_gpu:
-            self.llm.sleep(level=1)
+            self.run_sync(self.llm.sleep(level=1))
         super().sleep()
 
     def wake_up(self) -> None:
         if self.on_gpu:
-            self.llm.wake_up()
+            self.run_sync(self.llm.wake_up())
         super().wake_up()
 
-    # -- generation -------------------------------------------------------------------------
-    def _generate_requests(self, requests):
-        # vLLM refuses n > 1 with greedy sampling: send n copies of such a request instead
-        copies = [params.n if params.greedy else 1 for _, params in requests]
-        prompts = [{"prompt_token_ids": prompt} for (prompt, _), k in zip(requests, copies) for _ in range(k)]
-        vparams = [_vllm_params(params, n=1 if k > 1 else params.n) for (_, params), k in zip(requests, copies)
-                   for _ in range(k)]
-        outputs = iter(self.llm.generate(prompts, vparams, use_tqdm=False))
-        results = []
-        for (_, params), k in zip(requests, copies):
-            results.append([_completion(o, params.logprobs) for _ in range(k) for o in next(outputs).outputs])
-        return results
+    # -- requests (engine loop) -------------------------------------------------------------
+    async def _generate(self, prompt, params, request_id):
+        if params.greedy and params.n > 1:  # n copies under one id: abort(request_id) ends them all
+            copies = await asyncio.gather(*(self._request(prompt, _vllm_params(params, 1), request_id)
+                                            for _ in range(params.n)))
+            return [c for completions in copies for c in completions]
+        return await self._request(prompt, _vllm_params(params, params.n), request_id)
+
+    async def _request(self, prompt: list[int], vparams, request_id: str) -> list[Completion]:
+        final = None
+        session_id = self._requests.get(request_id)  # vLLM only labels its KV events with it
+        stream = self.llm.generate({"prompt_token_ids": prompt}, vparams, request_id, session_id=session_id)
+        async for output in stream:
+            final = output
+        with_logprobs = vparams.logprobs is not None
+        return [_completion(o, with_logprobs, self.version, final.num_cached_tokens or 0)
+                for o in sorted(final.outputs, key=lambda o: o.index)]
+
+    async def _abort(self, request_ids):
+        await self.llm.abort(request_ids)
+
+    async def _pause(self, mode):
+        # clear_cache: kept requests give up their KV and recompute it (on the new weights) after resume;
+        # the prefix cache never serves KV of old weights to new requests
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+
+    async def _resume(self):
+        await self.llm.resume_generation()
 
     def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        from vllm import SamplingParams as VSamplingParams
+        return self.run_sync(self._score_async([list(map(int, s)) for s in sequences]))
 
-        params = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in sequences], params,
-                                    use_tqdm=False)
-        return [[pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], seq[1:])]
-                for out, seq in zip(outputs, sequences)]
+    async def _score_async(self, sequences: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                                 output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one(seq):
+            final = None
+            async for output in self.llm.generate({"prompt_token_ids": seq}, params, f"score-{uuid.uuid4().hex}"):
+                final = output
+            return [pos[tok].logprob for pos, tok in zip(final.prompt_logprobs[1:], seq[1:])]
+
+        return list(await asyncio.gather(*(one(s) for s in sequences)))
+
+
+def engine_args(model_path: str, *, dtype: str, max_model_len: Optional[int], seed: int, tensor_parallel_size: int,
+                enforce_eager: Optional[bool], gpu_memory_utilization: float, cpu_kv_cache_bytes: int, on_gpu: bool,
+                **engine_kwargs):
+    """vLLM's `AsyncEngineArgs` of an engine (extra keyword arguments go to it as they are)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, skip_tokenizer_init=True,
+                  tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
+                  enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                  worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                  # TP 1: the core process runs the model; TP > 1: vLLM's own worker processes
+                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+                  disable_log_stats=True)
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
+        kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+    kwargs.update(engine_kwargs)
+    return AsyncEngineArgs(**kwargs)
+
+
+async def _start(args):
+    """On the engine loop (AsyncLLM binds its output handler to the loop it starts on)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(args)
+    await llm.update_weight_version("0")  # every token is labelled with a version from the first one
+    return llm
+
+
+async def _stop(llm) -> None:
+    llm.shutdown()
+
+
+def _shutdown_if_alive(ref) -> None:
+    """At interpreter exit: stop a still-running engine quietly (the console may be closed by now)."""
+    engine = ref()
+    if engine is not None and engine.llm is not None:
+        import logging
+
+        logging.getLogger("vllm").setLevel(logging.CRITICAL)
+        engine.shutdown()
 
 
 def _vllm_params(params: SamplingParams, n: int):
     from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return VSamplingParams(
         n=n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
         logprobs=0 if params.logprobs else None, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
-def _completion(output, with_logprobs: bool) -> Completion:
+def _completion(output, with_logprobs: bool, current_version: int, num_cached_tokens: int) -> Completion:
     tokens = list(output.token_ids)
     logprobs = [step[tok].logprob for step, tok in zip(output.logprobs, tokens)] if with_logprobs else None
-    return Completion(tokens, logprobs, output.finish_reason or "length")
+    spans = output.weight_versions or []
+    versions = [int(s.version) for s in spans for _ in range(s.end - s.start)]
+    if len(versions) != len(tokens):  # no label reported (cannot happen once the version is set at start)
+        versions = [current_version] * len(tokens)
+    return make_completion(tokens, logprobs, output.finish_reason or "length", versions, current_version,
+                           num_cached_tokens)
 
 
 @contextlib.contextmanager
@@ -192,19 +264,23 @@ def _child_visible_devices(devices: Optional[str]):
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def _set_vllm_multiprocessing(enabled: bool) -> None:
-    """Choose vLLM's engine-core placement before it starts (vLLM caches env reads after an engine start)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if enabled else "0"
-    import vllm.envs as envs
-
-    if hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-
-
-def _tap_names(weights, names: list):
-    for name, tensor in weights:
-        names.append(name)
-        yield name, tensor
+@contextlib.contextmanager
+def _cpu_thread_binding(tensor_parallel_size: int, on_gpu: bool):
+    """vLLM's CPU workers with TP > 1 bind their OpenMP threads to one NUMA node each by default
+    ("Not enough allowed NUMA nodes" on a one-node machine): unless VLLM_CPU_OMP_THREADS_BIND is set,
+    give each worker its share of this process's CPUs ("0|1" on 2 cores; "nobind" with fewer CPUs
+    than workers)."""
+    if on_gpu or tensor_parallel_size == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // tensor_parallel_size
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups) if per else "nobind"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -1,12 +1,13 @@
 """From prompts and completions to the training batch, and back to text for the reward.
 
-Owns the driver-side glue between the rollout contract (token ids in; tokens, log-probs and a
-finish reason out) and the engine's batch columns (`megarl.engine.micro`): a left-padded prompt
+Owns the driver-side glue between the rollout (agent-loop `Trajectory`s: exact engine tokens plus
+template tokens) and the engine's batch columns (`megarl.engine.micro`): a left-padded prompt
 followed by a right-padded response.
 
     requests(prompts, params, seed)       one (prompt ids, SamplingParams) per prompt row, seeded
-    rollout_batch(prompts, completions)   input_ids / attention_mask [B, P+T], response_mask and
-                                          rollout_log_probs [B, T], uid (prompt group), finish_reason
+    trajectory_batch(prompts, trajs)      input_ids / attention_mask [B, P+T], response_mask (with holes
+                                          at tool / user / environment tokens), rollout_log_probs,
+                                          response_versions, turn_rewards [B, T], uid, finish_reason
     decode_responses(batch, tokenizer)    response texts for the reward functions
     outcome_rewards(scores, mask)         a score per row on its last response token [B, T]
 
@@ -19,6 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from megarl.agent.trajectory import Trajectory
 from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
 
@@ -34,39 +36,88 @@ def requests(prompts: Batch, params: SamplingParams, seed: int) -> list[tuple[li
     return out
 
 
-def rollout_batch(prompts: Batch, completions: list, pad_token_id: int, group_prefix: str = "") -> Batch:
-    """Prompt rows repeated once per completion (interleaved) with the responses appended."""
-    n = len(completions[0])
-    if any(len(c) != n for c in completions):
-        raise ValueError("every prompt must have the same number of completions")
-    flat = [c for per_prompt in completions for c in per_prompt]
-    width = max(1, max(len(c.token_ids) for c in flat))
-    response = torch.full((len(flat), width), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(len(flat), width, dtype=torch.long)
-    rollout_log_probs = torch.zeros(len(flat), width)
-    for i, c in enumerate(flat):
-        length = len(c.token_ids)
-        response[i, :length] = torch.tensor(c.token_ids, dtype=torch.long)
-        response_mask[i, :length] = 1
-        if c.logprobs is not None:
-            rollout_log_probs[i, :length] = torch.tensor(c.logprobs)
-    rows = prompts.select(*[k for k in prompts.keys() if k != "position_ids"]).repeat(n)
-    rows["input_ids"] = torch.cat([rows["input_ids"], response], dim=1)
-    rows["attention_mask"] = torch.cat([rows["attention_mask"], response_mask], dim=1)
-    rows["response_mask"] = response_mask
-    rows["rollout_log_probs"] = rollout_log_probs
+def trajectory_batch(prompts: Batch, trajectories: list[list[Trajectory]], pad_token_id: int,
+                     group_prefix: str = "") -> Batch:
+    """Prompt rows repeated once per trajectory (interleaved), each row the trajectory's own prompt
+    (left-padded; an agent loop may have rendered tools into it) followed by its response
+    (right-padded), with the response mask (holes at tool / user / environment tokens), the rollout
+    log-prob and policy version of every token, per-turn rewards and the turn records."""
+    n = len(trajectories[0])
+    if any(len(group) != n for group in trajectories):
+        raise ValueError("every prompt must have the same number of trajectories")
+    flat = [t for group in trajectories for t in group]
+    rows = prompts.select(*[k for k in prompts.keys() if k not in _REBUILT]).repeat(n)
+    prompt_ids = _left_padded([t.prompt_ids for t in flat], pad_token_id)
+    response = _right_padded(flat, pad_token_id)
+    rows["input_ids"] = torch.cat([prompt_ids, response["ids"]], dim=1)
+    rows["attention_mask"] = torch.cat([_prompt_mask(flat, prompt_ids.shape[1]), response["real"]], dim=1)
+    rows["response_mask"] = response["mask"]
+    rows["rollout_log_probs"] = response["logprobs"]
+    rows["response_versions"] = response["versions"]
+    rows["turn_rewards"] = response["turn_rewards"]
     rows["uid"] = np.array([f"{group_prefix}{i // n}" for i in range(len(flat))], dtype=object)
-    rows["finish_reason"] = np.array([c.finish_reason for c in flat], dtype=object)
-    rows["policy_version"] = torch.tensor([c.version for c in flat], dtype=torch.long)
+    rows["finish_reason"] = np.array([t.finish_reason for t in flat], dtype=object)
+    rows["policy_version"] = torch.tensor([_oldest_version(t) for t in flat], dtype=torch.long)
+    rows["reward_extras"] = [dict(t.reward_extras) for t in flat]
+    rows["agent_turns"] = [[_turn_record(turn) for turn in t.turns] if len(t.turns) > 1 else None for t in flat]
     return rows
 
 
+_REBUILT = ("input_ids", "attention_mask", "position_ids")
+
+
+def _left_padded(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        out[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+def _prompt_mask(flat: list[Trajectory], width: int) -> torch.Tensor:
+    mask = torch.zeros(len(flat), width, dtype=torch.long)
+    for i, t in enumerate(flat):
+        mask[i, width - len(t.prompt_ids):] = 1
+    return mask
+
+
+def _right_padded(flat: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Response ids, real-token mask, model-token mask, log-probs, versions and turn rewards [B, T]."""
+    width = max(1, max(len(t.response_ids) for t in flat))
+    out = {"ids": torch.full((len(flat), width), pad_token_id, dtype=torch.long),
+           "real": torch.zeros(len(flat), width, dtype=torch.long),
+           "mask": torch.zeros(len(flat), width, dtype=torch.long),
+           "logprobs": torch.zeros(len(flat), width), "turn_rewards": torch.zeros(len(flat), width),
+           "versions": torch.full((len(flat), width), -1, dtype=torch.long)}
+    for i, t in enumerate(flat):
+        n = len(t.response_ids)
+        out["ids"][i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
+        out["real"][i, :n] = 1
+        out["mask"][i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
+        out["logprobs"][i, :n] = torch.tensor(t.response_logprobs, dtype=torch.float32)
+        out["versions"][i, :n] = torch.tensor(t.response_versions, dtype=torch.long)
+        out["turn_rewards"][i, :n] = torch.tensor(t.token_rewards(), dtype=torch.float32)
+    return out
+
+
+def _oldest_version(t: Trajectory) -> int:
+    """The oldest policy version among the trajectory's model tokens (0 when it has none)."""
+    versions = [v for v in t.response_versions if v >= 0]
+    return min(versions) if versions else 0
+
+
+def _turn_record(turn) -> dict:
+    return {"role": turn.role, "text": turn.text, "tool_calls": turn.tool_calls, "tool_results": turn.tool_results,
+            "reward": turn.reward, "seconds": round(turn.seconds, 4)}
+
+
 def decode_responses(batch: Batch, tokenizer) -> list[str]:
-    """The response text of every row (special tokens such as the stop token dropped)."""
+    """The response text of every row: all its response tokens, the model's and (in multi-turn rows) the
+    tool / user / environment turns between them (special tokens such as the stop token dropped)."""
     width = batch["response_mask"].shape[1]
     responses = batch["input_ids"][:, -width:]
-    mask = batch["response_mask"].bool()
-    return [tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(len(batch))]
+    real = batch["attention_mask"][:, -width:].bool()
+    return [tokenizer.decode(responses[i][real[i]].tolist(), skip_special_tokens=True) for i in range(len(batch))]
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from the latest complete checkpoint.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,7 @@ from megarl.algorithms.mismatch import truncated_is_weights
 from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
 from megarl.trainer import batching, state
+from megarl.trainer.agents import AgentRollout, agent_metrics
 from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, mfu_meter, timing_metrics
 
 
@@ -43,6 +45,7 @@ class RLTrainer:
                                        stop_token_ids=data.stop_token_ids)
         self.greedy = replace(self.sampling, n=1, temperature=0.0)
         self.needs_baseline = "baseline_rewards" in estimator_needs(cfg.algorithm.advantage.estimator)
+        self.agents = AgentRollout(data.agents, cluster.rollout)
         self.step = 0
 
     # ------------------------------------------------------------------ the loop
@@ -106,12 +109,12 @@ class RLTrainer:
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict]:
         """The step's scored samples: one round of prompts, or with DAPO dynamic sampling
         (`algorithm.dapo.filter_groups`) rounds until `prompts_per_step` groups have reward variance."""
-        rounds, scores = itertools.count(), []
+        rounds, scores, stats = itertools.count(), [], {}
 
         def one_round() -> Batch:
             prompts, round_ = self.data.loader.next_batch(), next(rounds)
             with timer("generate"):
-                batch = self.generate(prompts, step, round_=round_)
+                batch = self.generate(prompts, step, round_=round_, stats=stats)
             with timer("reward"):
                 batch = self.score(batch)
                 batch = self.shape(batch)
@@ -122,25 +125,31 @@ class RLTrainer:
 
         dapo = self.cfg.algorithm.dapo
         if not dapo.filter_groups:
-            return one_round(), {}
+            return one_round(), stats
         batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
                                   score_key="scores")
         # reward/* metrics describe the kept groups; these describe everything generated
-        return batch, {"rollout/generation_rounds": float(n),
+        return batch, {**stats, "rollout/generation_rounds": float(n),
                        "rollout/score_before_filter": float(torch.cat(scores).mean())}
 
-    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0) -> Batch:
-        """Completions of every prompt from the rollout engines, as the training batch (group ids
-        `step.round:row` stay unique across the rounds of a step)."""
+    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0,
+                 stats: Optional[dict] = None) -> Batch:
+        """A trajectory per sample of every prompt, from its row's agent loop over the rollout engines, as
+        the training batch (group ids `step.round:row` stay unique across the rounds of a step); the agent
+        metrics (turns, tool calls and errors, ...) go into `stats`."""
         params = params or self.sampling
         seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
-        completions = self.cluster.rollout.generate(batching.requests(prompts, params, seed))
-        return batching.rollout_batch(prompts, completions, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
+        start = time.perf_counter()
+        trajectories = self.agents.run(prompts, params, seed, session=f"{step}.{round_}")
+        if stats is not None:
+            stats.update(agent_metrics([t for group in trajectories for t in group], time.perf_counter() - start))
+        return batching.trajectory_batch(prompts, trajectories, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
 
     def score(self, batch: Batch) -> Batch:
         """Rule rewards (+ the reward model's score) → scores, acc and the response texts they read."""
         texts = batching.decode_responses(batch, self.data.tokenizer)
-        extras = [e if isinstance(e, dict) else {} for e in _column(batch, "extra_info", len(batch))]
+        extras = [{**(e if isinstance(e, dict) else {}), **(r or {})} for e, r in
+                  zip(_column(batch, "extra_info", len(batch)), _column(batch, "reward_extras", len(batch)))]
         results = self.data.rewards.score(texts, list(batch["ground_truth"]), list(batch["data_source"]), extras)
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         if self.cluster.reward_model:
@@ -152,8 +161,8 @@ class RLTrainer:
         return batch
 
     def shape(self, batch: Batch) -> Batch:
-        """DAPO overlong shaping (penalty zone, masking truncated responses) where configured, then
-        the score placed on each row's last response token (`token_level_scores`)."""
+        """DAPO overlong shaping (penalty zone, masking truncated responses) where configured, then the
+        score placed on each row's last model token plus the per-turn rewards (`token_level_scores`)."""
         dapo, lengths = self.cfg.algorithm.dapo, batch["response_mask"].sum(-1)
         if dapo.overlong_buffer_len:
             batch["scores"] = batch["scores"] + overlong_penalty(lengths, self.cfg.rollout.max_response_tokens,
@@ -161,7 +170,8 @@ class RLTrainer:
         if dapo.overlong_filter:
             truncated = torch.from_numpy((batch["finish_reason"] == "length").astype(bool))
             batch["response_mask"] = mask_truncated(batch["response_mask"], truncated)
-        batch["token_level_scores"] = batching.outcome_rewards(batch["scores"], batch["response_mask"])
+        outcome = batching.outcome_rewards(batch["scores"], batch["response_mask"])
+        batch["token_level_scores"] = outcome + batch["turn_rewards"] if "turn_rewards" in batch else outcome
         return batch
 
     def baseline_scores(self, prompts: Batch, step: int, timer: PhaseTimer) -> torch.Tensor:
@@ -276,5 +286,6 @@ def rollout_records(batch: Batch) -> list[dict]:
              "response": batch["response_text"][i], "ground_truth": batch["ground_truth"][i],
              "score": float(batch["scores"][i]), "advantage": float(adv[i]),
              "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i]),
-             **({"baseline_score": float(baseline[i])} if baseline is not None else {})}
+             **({"baseline_score": float(baseline[i])} if baseline is not None else {}),
+             **({"turns": batch["agent_turns"][i]} if "agent_turns" in batch and batch["agent_turns"][i] else {})}
             for i in range(len(batch))]

@@ -1,8 +1,8 @@
 """Observability of a run: phase timers, step metrics, and the sinks they go to.
 
-Owns: `PhaseTimer` (one `with timer("generate"):` per loop phase), `batch_metrics` (rewards,
-advantages, returns, values, response lengths, clipped responses, entropy, rollout/train log-prob
-gap), `timing_metrics` (per-phase seconds, tokens/s, the driver's share of the step), and
+Owns: `PhaseTimer` (one `with timer("generate"):` per loop phase), `batch_metrics` (rewards, the
+share of prompt groups without reward variance, advantages, returns, values, response lengths,
+clipped responses, entropy, rollout/train log-prob gap), `timing_metrics` (per-phase seconds, tokens/s, the driver's share of the step), and
 `RunLogger`: console lines (through the tqdm progress bar over steps), `metrics.jsonl`,
 TensorBoard (`torch.utils.tensorboard.SummaryWriter`), optional wandb, rollout samples as JSONL
 (`rollouts/step_N.jsonl`) and the reward curve as a PNG (`reward_curve.png`, matplotlib Agg).
@@ -72,6 +72,8 @@ def batch_metrics(batch: Batch) -> dict:
         out["reward/acc"] = float(batch["acc"].float().mean())
     if "baseline_rewards" in batch:  # ReMax: the greedy responses' scores
         out["reward/baseline/mean"] = float(batch["baseline_rewards"].mean())
+    if "uid" in batch:
+        out["rollout/zero_variance_groups"] = zero_variance_share(batch["scores"], batch["uid"])
     for key in ("advantages", "returns", "values"):
         if key in batch:
             out.update(_describe(key, _masked(batch[key], mask)))
@@ -83,6 +85,14 @@ def batch_metrics(batch: Batch) -> dict:
         gap = mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], mask)
         out.update({f"rollout/{k}": float(v) for k, v in gap.items()})
     return out
+
+
+def zero_variance_share(scores: torch.Tensor, group_ids) -> float:
+    """Share of prompt groups whose samples all scored the same: no signal for a group baseline."""
+    groups: dict = {}
+    for group, score in zip(group_ids, scores.tolist()):
+        groups.setdefault(group, set()).add(score)
+    return sum(len(s) == 1 for s in groups.values()) / max(1, len(groups))
 
 
 class MFUMeter:

@@ -33,6 +33,8 @@ class RunData:
     loader: object
     validation: Optional[Batch]
     rewards: object
+    agents: object = None
+    """The agent loops' shared context (`megarl.agent.AgentContext`: tokenizer, limits, tools)."""
 
     @property
     def pad_token_id(self) -> int:
@@ -59,7 +61,24 @@ def load_run_data(cfg) -> RunData:
         val = PromptDataset(cfg.data, tokenizer, files=cfg.validation.files)
         count = min(len(val), cfg.validation.max_prompts or len(val))
         validation = collate_prompts([val[i] for i in range(count)], tokenizer.pad_token_id)
-    return RunData(tokenizer, loader, validation, RewardRunner(cfg.reward))
+    agents = agent_context(cfg, tokenizer, [train] + ([val] if cfg.validation.files else []))
+    return RunData(tokenizer, loader, validation, RewardRunner(cfg.reward), agents)
+
+
+def agent_context(cfg, tokenizer, datasets):
+    """The agent loops' context (tools loaded from rollout.agent.tool_config); every row's `agent_name`
+    must name a registered loop (checked here, before any worker starts)."""
+    import dataclasses
+
+    from megarl.agent import AgentContext, get_agent_loop
+
+    config = dataclasses.replace(cfg.rollout.agent, max_response_tokens=cfg.rollout.max_response_tokens)
+    for name in sorted({row.get("agent_name") for ds in datasets for row in ds.rows} - {None, ""}):
+        try:
+            get_agent_loop(name)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"a data row's agent_name: {err}") from None
+    return AgentContext(tokenizer, config=config)
 
 
 def train(cfg, derived) -> list[dict]:

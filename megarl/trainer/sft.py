@@ -1,10 +1,13 @@
 """A short supervised warm-up on reference answers, before RL (the quickstart uses it).
 
-Owns: `sft_warmup(hf_path, rows, tokenizer, ...)`: next-token NLL on the response tokens
-(prompt tokens masked out) of `prompt → answer + eos`, AdamW, single process on the HF model
-(`transformers`), saved back in place with `save_pretrained`. For a tiny model on CPU this takes
-seconds and teaches the answer format, so GRPO starts from a policy that sometimes answers right
-instead of from random characters. Large models warm up with the Megatron engine under torchrun.
+Owns: `sft_warmup(hf_path, examples, ...)`: next-token NLL on the response tokens (prompt tokens
+masked out) of `prompt → answer + eos`, AdamW (optionally decaying linearly to 0), single process
+on the HF model (`transformers`), saved back in place with `save_pretrained`; `sft_examples` (rows →
+token ids); `off_by_one_teacher` (the quickstart's sloppy demonstrations: a share of numeric answers
+off by one); `greedy_answers` / `greedy_accuracy` (batched greedy decoding of held-out prompts).
+For a tiny model on CPU a warm-up takes seconds to a minute and teaches the answer format and the
+task, so RL starts from a policy that is often right instead of from random characters. Large models
+warm up with the Megatron engine under torchrun. Imports torch and transformers only.
 """
 from __future__ import annotations
 
@@ -25,6 +28,24 @@ def sft_examples(rows: Sequence[dict], tokenizer, render=None) -> list[tuple[lis
     return examples
 
 
+def off_by_one_teacher(rows: Sequence[dict], rate: float, seed: int = 0) -> list[dict]:
+    """Copies of `rows` whose integer `ground_truth` is one too high in a `rate` share of them (drawn
+    per row, deterministic in `seed`): demonstrations from a teacher with a systematic habit.
+
+    A model imitating them learns the task and the habit together: it puts about `rate` of its
+    probability on answer + 1, so with `rate` > 0.5 its greedy answer is mostly wrong although it
+    knows the right one. A reward that checks the answer can then remove the habit.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1] (the share of answers off by one), got {rate}")
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        answer = int(str(row["ground_truth"]).strip())
+        out.append({**row, "ground_truth": str(answer + 1 if rng.random() < rate else answer)})
+    return out
+
+
 def _batch(examples, pad_id: int):
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -38,8 +59,9 @@ def _batch(examples, pad_id: int):
 
 
 def sft_warmup(hf_path: str, examples: list[tuple[list[int], int]], *, steps: int = 100, batch_size: int = 32,
-               lr: float = 3e-3, seed: int = 0, out_path: str | None = None) -> list[float]:
-    """Train `steps` AdamW steps of answer-token NLL; save to `out_path` (default: in place). The losses."""
+               lr: float = 3e-3, seed: int = 0, out_path: str | None = None, lr_decay: bool = False) -> list[float]:
+    """Train `steps` AdamW steps of answer-token NLL (lr constant, or decaying linearly to 0 with
+    `lr_decay`); save to `out_path` (default: in place). The losses."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -47,6 +69,7 @@ def sft_warmup(hf_path: str, examples: list[tuple[list[int], int]], *, steps: in
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / steps if lr_decay else 1.0)
     pad_id = model.config.pad_token_id or 0
     losses = []
     for _ in range(steps):
@@ -56,21 +79,33 @@ def sft_warmup(hf_path: str, examples: list[tuple[list[int], int]], *, steps: in
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        schedule.step()
+        losses.append(loss.item())
     model.save_pretrained(out_path or hf_path)
     return losses
 
 
 @torch.no_grad()
-def greedy_accuracy(hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4) -> float:
-    """Share of examples whose greedy continuation reproduces the answer (+ eos) exactly."""
+def greedy_answers(hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4,
+                   batch_size: int = 256) -> list[list[int]]:
+    """The greedy continuation of each example's prompt (left-padded batches), up to and including eos."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
-    right = 0
-    for seq, prompt_len in examples:
-        out = model.generate(torch.tensor([seq[:prompt_len]]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=model.config.pad_token_id)
-        answer = seq[prompt_len:]
-        right += out[0, prompt_len:prompt_len + len(answer)].tolist() == answer
-    return right / max(1, len(examples))
+    pad, eos = model.config.pad_token_id or 0, model.config.eos_token_id
+    answers = []
+    for start in range(0, len(examples), batch_size):
+        prompts = [seq[:prompt_len] for seq, prompt_len in examples[start:start + batch_size]]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad, eos_token_id=eos)
+        for row in out[:, width:].tolist():
+            answers.append(row[:row.index(eos) + 1] if eos in row else row)
+    return answers
+
+
+def greedy_accuracy(hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4) -> float:
+    """Share of examples whose greedy continuation reproduces the answer (+ eos) exactly."""
+    answers = greedy_answers(hf_path, examples, max_new_tokens)
+    return sum(a == seq[prompt_len:] for a, (seq, prompt_len) in zip(answers, examples)) / max(1, len(examples))

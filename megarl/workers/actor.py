@@ -6,7 +6,8 @@ one aggregation mode, global denominators).
 
 Reads (batch columns): input_ids, attention_mask, response_mask; for the update also
 old_log_probs, advantages (+ ref_log_probs with a KL loss, is_weights when mismatch correction is
-on). Writes: old_log_probs, entropy. Must not import vLLM or Ray.
+on, rollout_log_probs: the behaviour policy of decoupled_ppo). Writes: old_log_probs, entropy.
+Must not import vLLM or Ray.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def actor_loss(cfg: ActorLossConfig):
         dev = outputs["log_probs"].device
         mask = rows["response_mask"].to(dev)
         inputs = PolicyLossInputs(outputs["log_probs"], rows["old_log_probs"].to(dev), rows["advantages"].to(dev),
-                                  mask, rows["is_weights"].to(dev) if "is_weights" in rows else None)
+                                  mask, _optional(rows, "is_weights", dev), _optional(rows, "rollout_log_probs", dev))
         loss, stats = policy_loss(inputs, cfg.policy_loss, agg)
         if cfg.kl.coef:
             kl, kl_stats = kl_loss(outputs["log_probs"], rows["ref_log_probs"].to(dev), mask, agg, cfg.kl.coef,
@@ -65,6 +66,10 @@ def actor_loss(cfg: ActorLossConfig):
         return loss + bonus if cfg.entropy_coef else loss, {**stats, **ent_stats}
 
     return loss_fn
+
+
+def _optional(rows, key: str, device):
+    return rows[key].to(device) if key in rows else None
 
 
 class Actor(EngineRole):

@@ -49,12 +49,7 @@ def engine_spec(cfg) -> tuple[str, dict]:
     kwargs = dict(dtype=str(dtype).removeprefix("torch."), max_model_len=resolve_max_model_len(cfg),
                   seed=cfg.trainer.seed, tensor_parallel_size=ro.tp,
                   gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager)
-    # vLLM in this process when the engine has one GPU: weights stream in as an iterator (0.023 s vs
-    # 0.27 s per quickstart sync); colocated, every rank then builds its engine at the same time, so
-    # vLLM's start-up (which creates groups on the training world) is collective. With rollout TP > 1
-    # vLLM's own workers are other processes an iterator cannot reach: its core runs in a child and
-    # updates travel as IPC buckets.
-    kwargs["in_process"] = ro.tp == 1
+    # vLLM's engine core runs in a child process (AsyncLLM); updates reach its workers as IPC buckets
     return backend, kwargs
 
 
@@ -76,25 +71,46 @@ class Rollout:
         if self.rank in hosts:
             backend, kwargs = engine_spec(cfg)
             if backend == "vllm" and cfg.resources.accelerator == "gpu":
-                # In a training rank, vLLM's in-process executor always takes cuda:0 of the node (its
-                # device index comes from no argument), so on GPUs its core runs in a child that sees
-                # exactly this rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
-                kwargs.update(in_process=False, visible_devices=_rank_gpus(ro.tp))
+                # vLLM numbers the GPUs it sees from 0: its core (and TP workers) must see exactly this
+                # rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
+                kwargs.update(visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
         self.sender = None if self.engine is None else sender_for(self.engine)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         register_local(self.name, self)
 
-    def generate(self, requests: list) -> list:
-        """[(prompt ids, SamplingParams)] → per request, its list of `Completion`s."""
+    def generate(self, requests: list, request_ids: Optional[list] = None, session_ids: Optional[list] = None) -> list:
+        """[(prompt ids, SamplingParams)] → per request, its list of `Completion`s.
+
+        Safe to call from many threads at once (the worker host runs these calls in its request
+        concurrency group): every call's requests join the engine's running batch.
+        """
         if not requests:
             return []
         import asyncio
 
-        async def run():
-            return await asyncio.gather(*(self.engine.generate(ids, params) for ids, params in requests))
+        request_ids = request_ids or [None] * len(requests)
+        session_ids = session_ids or [None] * len(requests)
 
-        return list(asyncio.run(run()))
+        async def run():
+            return await asyncio.gather(*(self.engine.generate(ids, params, request_id=rid, session_id=sid)
+                                          for (ids, params), rid, sid in zip(requests, request_ids, session_ids)))
+
+        return list(self.engine.run_sync(run()))
+
+    def abort(self, request_ids: list) -> None:
+        """End these requests now; their `generate` calls return the partial outputs."""
+        if self.engine is not None:
+            self.engine.run_sync(self.engine.abort(request_ids))
+
+    def pause(self, mode: str = "keep") -> None:
+        """Stop generating (`megarl.rollout.base.PAUSE_MODES`) until `resume`."""
+        if self.engine is not None:
+            self.engine.run_sync(self.engine.pause(mode))
+
+    def resume(self) -> None:
+        if self.engine is not None:
+            self.engine.run_sync(self.engine.resume())
 
     def sync_weights(self) -> Optional[int]:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""

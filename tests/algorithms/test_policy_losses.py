@@ -242,3 +242,50 @@ def test_entropy_bonus_is_negative_coef_times_aggregated_entropy():
     loss, stats = entropy_bonus(t([[1.0, 3.0, 100.0]]), t([[1, 1, 0]]), TOKEN_MEAN, coef=0.01)
     assert loss.item() == pytest.approx(-0.01 * 2.0)
     assert stats["entropy"].item() == pytest.approx(2.0)
+
+
+# ---- decoupled PPO (asynchronous training) -------------------------------------------------------
+
+def _decoupled(ratios, advantages, behaviour_shift, cfg=None, mask=None):
+    """Loss and grad with π/π_prox = ratios and log π_prox − log π_behav = behaviour_shift."""
+    ratios, advantages, shift = t(ratios), t(advantages), t(behaviour_shift)
+    log_probs = torch.zeros_like(ratios).requires_grad_(True)
+    old = log_probs.detach() - ratios.log()
+    mask = torch.ones_like(ratios) if mask is None else t(mask)
+    inputs = PolicyLossInputs(log_probs, old, advantages, mask, behaviour_log_probs=old - shift)
+    loss, stats = get_policy_loss("decoupled_ppo")(inputs, cfg or PolicyLossConfig(), TOKEN_MEAN)
+    (grad,) = torch.autograd.grad(loss, log_probs)
+    return loss, stats, grad
+
+
+@FAST
+@given(seed=st.integers(0, 2**31), B=st.integers(1, 4), T=st.integers(1, 6))
+def test_decoupled_ppo_without_staleness_is_ppo_clip_in_value_and_grad(seed, B, T):
+    gen = torch.Generator().manual_seed(seed)
+    ratios = torch.exp(torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3).tolist()
+    advantages = torch.randn(B, T, generator=gen, dtype=torch.float64).tolist()
+    mask = (torch.rand(B, T, generator=gen) > 0.2).double().tolist()
+    loss, stats, grad = _decoupled(ratios, advantages, [[0.0] * T] * B, mask=mask)
+    ref_loss, ref_stats, ref_grad = policy_loss("ppo_clip", ratios, advantages, mask=mask)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
+    assert float(stats["behaviour_clipfrac"]) == 0.0 and float(stats["behaviour_kl"]) == 0.0
+
+
+def test_decoupled_ppo_weights_each_token_by_the_truncated_proximal_behaviour_ratio():
+    # r = π/π_prox = 1 (no clip); w = π_prox/π_behav = e^0.5, e^-1, and e^3 capped at 5
+    loss, stats, grad = _decoupled([[1.0, 1.0, 1.0]], [[1.0, -2.0, 1.0]], [[0.5, -1.0, 3.0]])
+    w = [math.exp(0.5), math.exp(-1.0), 5.0]
+    expected = (-1.0 * w[0] + 2.0 * w[1] - 1.0 * w[2]) / 3
+    assert float(loss) == pytest.approx(expected)
+    assert grad[0].tolist() == pytest.approx([-w[0] / 3, 2.0 * w[1] / 3, -w[2] / 3])  # d(−A·w·r)/dlogπ = −A·w·r
+    assert float(stats["behaviour_clipfrac"]) == pytest.approx(1 / 3)
+    masked, stats, _ = _decoupled([[1.0, 1.0, 1.0]], [[1.0, -2.0, 1.0]], [[0.5, -1.0, 3.0]],
+                                  cfg=PolicyLossConfig(behaviour_weight_mode="mask"))
+    assert float(masked) == pytest.approx((-1.0 * w[0] + 2.0 * w[1]) / 3)  # the over-cap token dropped
+
+
+def test_decoupled_ppo_needs_the_behaviour_log_probs():
+    inputs = PolicyLossInputs(t([[0.0]]), t([[0.0]]), t([[1.0]]), t([[1.0]]))
+    with pytest.raises(ValueError, match="decoupled_ppo needs PolicyLossInputs.behaviour_log_probs"):
+        get_policy_loss("decoupled_ppo")(inputs, PolicyLossConfig(), TOKEN_MEAN)

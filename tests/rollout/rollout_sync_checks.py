@@ -133,12 +133,16 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     try:
         snapshot("before")
         out["version1"] = manager.sync(sender, version=1)
+        kept_after_first = {k: b.data_ptr() for k, b in manager.kept.buffers.items()}
         snapshot("synced")
         perturb_layers(chunks)
         manager.sync(sender, version=2)
         snapshot("perturbed")
         reference = reference_export(bridge, chunks)
         out["version3"] = manager.sync(sender, version=3)
+        # IPC on CPU: every sync wrote into the shared-memory buffers of the first (none for in-place engines)
+        out["kept_reused"] = (len(kept_after_first), kept_after_first == {k: b.data_ptr()
+                                                                          for k, b in manager.kept.buffers.items()})
         snapshot("resynced")
         if engine is not None:
             out["weights"] = reference

@@ -27,13 +27,17 @@ def test_greedy_equals_transformers_generate(engine, rollout_models):
 
 
 def test_bad_update_names_the_tensor_and_loads_nothing(engine):
-    before, version = engine.generate_sync(PROMPTS, SamplingParams(**GREEDY)), engine.version
+    def outputs():
+        completions = engine.generate_sync(PROMPTS, SamplingParams(**GREEDY))
+        return [[(c.token_ids, c.logprobs) for c in cs] for cs in completions]
+
+    before, version = outputs(), engine.version
     good = ("model.norm.weight", torch.full((128,), 5.0))
     with pytest.raises(WeightUpdateError, match="'model.layers.0.mlp.up_proj.weight' with shape \\(128, 128\\)"):
         engine.update_weights([good, ("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 128))], partial=True)
     with pytest.raises(WeightUpdateError, match="'model.embed_tokens.weights'.*closest: \\['model.embed_tokens.weight'"):
         engine.update_weights([good, ("model.embed_tokens.weights", torch.zeros(96, 128))], partial=True)
-    assert engine.version == version and engine.generate_sync(PROMPTS, SamplingParams(**GREEDY)) == before
+    assert engine.version == version and outputs() == before
 
 
 def test_create_engine_prefers_vllm_and_falls_back_to_embedded(monkeypatch, rollout_models):
@@ -47,3 +51,27 @@ def test_temperature_contract(engine, rollout_models):
     from rollout_api_checks import check_temperature_contract
 
     check_temperature_contract(engine, rollout_models["llama_other"])
+
+
+def test_requests_from_many_threads_and_event_loops(engine):
+    from rollout_api_checks import check_callable_from_threads_and_loops
+
+    check_callable_from_threads_and_loops(engine)
+
+
+def test_abort_by_id_returns_the_partial_output(engine):
+    from rollout_api_checks import check_abort_returns_partial_output
+
+    check_abort_returns_partial_output(engine)
+
+
+def test_update_midway_switches_versions_at_one_token(engine, rollout_models):
+    from rollout_api_checks import check_update_midway_switches_versions
+
+    check_update_midway_switches_versions(engine, rollout_models["llama_other"], rollout_models["llama"])
+
+
+def test_pause_abort_returns_partial_and_new_requests_wait(engine):
+    from rollout_api_checks import check_pause_abort_returns_partial_and_queues_new_requests
+
+    check_pause_abort_returns_partial_and_queues_new_requests(engine)

@@ -5,6 +5,8 @@ the TP2×PP2 actor's weights over one gloo weight group; one vLLM server receive
 once. A rejected update fails on the trainer with the engine's message and every server keeps
 serving its previous version.
 """
+import sys
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's role class travels by value
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -90,3 +93,72 @@ def test_vllm_engine_server_receives_a_broadcast_update(ray_cluster, rollout_mod
     assert ray.get(update) == 1
     assert greedy([server])[0] == hf_greedy(rollout_models["qwen3"])
     ray.kill(server)
+
+
+class EngineRole:
+    """A worker-host role around an embedded engine, called per request like the colocated `Rollout`."""
+
+    def __init__(self, path):
+        import threading
+
+        from megarl.rollout.embedded import EmbeddedEngine
+
+        self.engine = EmbeddedEngine(path)
+        self.default_thread = threading.get_ident()
+
+    def generate(self, prompt, params, request_id):
+        return self.engine.run_sync(self.engine.generate(prompt, params, request_id=request_id))
+
+    def abort(self, request_ids):
+        self.engine.run_sync(self.engine.abort(request_ids))
+
+    def thread(self):
+        import threading
+
+        return threading.get_ident()
+
+    def num_requests(self):
+        return self.engine.num_requests
+
+
+def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, rollout_models):
+    """An engine server (async actor) and a worker host (its request concurrency group) each take
+    several per-request calls at once — a call aborted by id returns its partial output — while the
+    host's other calls stay on its one default thread."""
+    import asyncio
+
+    from megarl.controller.resource_pool import ResourcePool
+    from megarl.controller.worker_group import REQUEST_GROUP, WorkerGroup
+    from megarl.rollout.server import launch_engine_servers
+
+    (server,) = launch_engine_servers(str(rollout_models["llama"]), 1, backend="embedded", num_cpus=0.5)
+    hosts = WorkerGroup(ResourcePool([1], use_gpu=False, cpus_per_worker=0.5, name="hosts"))
+    hosts.add_role("engine", EngineRole, str(rollout_models["llama"]))
+    host = hosts.workers[0]
+    long, short = SamplingParams(temperature=0, max_tokens=240), SamplingParams(temperature=0, max_tokens=4)
+
+    def request(method, *args):
+        return host.call.options(concurrency_group=REQUEST_GROUP).remote(f"engine.{method}", *args)
+
+    async def run():
+        served = [server.generate.remote([1, 5, 9], long, request_id="long"),
+                  server.generate.remote([1, 6, 9], short, request_id="short", session_id="s")]
+        hosted = [request("generate", [1, 5, 9], long, "long"), request("generate", [1, 6, 9], short, "short")]
+        while await server.num_requests.remote() < 2 or await host.call.remote("engine.num_requests") < 2:
+            await asyncio.sleep(0.05)  # both in flight (queued or running: an abort ends either)
+        await asyncio.gather(server.abort.remote(["long"]), request("abort", ["long"]))
+        return await asyncio.gather(*served), await asyncio.gather(*hosted)
+
+    try:
+        served, hosted = asyncio.run(run())
+        for long_out, short_out in (served, hosted):
+            assert len(short_out[0].token_ids) == 4 and short_out[0].finish_reason == "length"
+            assert long_out[0].finish_reason == "abort" and len(long_out[0].token_ids) < 240
+        threads = ray.get([host.call.remote("engine.thread") for _ in range(4)])
+        assert len(set(threads)) == 1 and threads[0] == ray.get(host.call.remote("engine.thread"))
+        ray.get(server.pause.remote("keep"))
+        ray.get(server.resume.remote())
+        assert len(ray.get(server.generate.remote([1, 2], short))[0].token_ids) == 4
+    finally:
+        ray.kill(server)
+        hosts.shutdown()

@@ -1,9 +1,10 @@
 """vLLM colocated in a training rank: the rollout rank of a PP2 actor hosts the engine.
 
-The rank is already in a torch.distributed world, so `VLLMEngine` runs vLLM's engine core in a
-child process and the sharding manager's buckets reach it as shared-memory IPC buckets (CUDA IPC
-on GPU). Same checks as the other sync tests (weights moved, outputs follow the actor, unchanged
-syncs change nothing), with tied embeddings and a pipeline stage that holds the tied copy.
+vLLM's engine core runs in a child process of the training rank (AsyncLLM), and the sharding
+manager's buckets reach it as shared-memory IPC buckets (CUDA IPC on GPU), written into the same
+shared-memory buffers by every sync. Same checks as the other sync tests (weights moved, outputs
+follow the actor, unchanged syncs change nothing), with tied embeddings and a pipeline stage that
+holds the tied copy.
 """
 import pytest
 
@@ -22,3 +23,5 @@ def test_vllm_in_a_pp2_training_rank_follows_the_actor(rollout_models):
     assert rollout["rollout"] and all(r["exchanges"] == 1 for r in results)
     check_sync(rollout["snaps"], results[-1]["actor"], rollout["weights"], rollout_models["qwen2"], 2e-4)
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
+    kept, reused = rollout["kept_reused"]
+    assert kept == rollout["buckets"] and reused  # a shared-memory buffer per bucket, written by every sync

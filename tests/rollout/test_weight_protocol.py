@@ -6,7 +6,6 @@ in test_vllm_engine.py) with buckets of a real checkpoint; spies only record whe
 import ast
 import threading
 from unittest import mock
-from multiprocessing.connection import Client
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,7 @@ def test_rejected_update_loads_nothing_and_keeps_the_version(engine, checkpoint)
 
 def test_ipc_buckets_are_shared_by_handle_not_copied(checkpoint):
     """The receiving side maps the sender's own buffers: its writes show in them, nothing was moved."""
-    from megarl.rollout.sharding.ipc import IpcSender, receive_buckets, serve_buckets
+    from megarl.rollout.sharding.ipc import IpcSender, connect_worker, receive_buckets, serve_buckets
 
     sender = IpcSender(engine=None)
     buckets = list(bucket_tensors(checkpoint, 200_000, shared=sender.shares_buffers))
@@ -104,14 +103,14 @@ def test_ipc_buckets_are_shared_by_handle_not_copied(checkpoint):
     received = []
 
     def worker():
-        with Client(sender.address_template.format(rank=0), family="AF_UNIX", authkey=sender.authkey) as conn:
+        with connect_worker(sender.address, sender.authkey) as conn:
             for bucket in receive_buckets(conn):
                 received.append([(n, t.clone()) for n, t in bucket.tensors()])
                 bucket.buffer.fill_(-1.0)
         return len(received)
 
     with no_cat():
-        assert serve_buckets(sender.address_template, 0, sender.authkey, buckets, worker) == len(buckets)
+        assert serve_buckets(sender.address, sender.authkey, buckets, worker) == len(buckets)
     assert [n for b in received for n, _ in b] == [n for n, _ in checkpoint]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip((x for b in received for x in b), checkpoint))
     assert [b.buffer.data_ptr() for b in buckets] == pointers  # not moved into shared memory on the way
@@ -184,3 +183,117 @@ def test_no_import_circle_in_megarl_rollout():
 
     cycles = [c for m in modules if (c := cycle_from(m, []))]
     assert not cycles, f"import circle: {' -> '.join(cycles[0])}"
+
+
+def test_ipc_feeds_every_worker_of_a_tp_engine(checkpoint):
+    """Rollout TP > 1: every vLLM worker connects to the one listener and takes every bucket."""
+    from megarl.rollout.sharding.ipc import connect_worker, receive_buckets, serve_buckets
+
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=True))
+    address, authkey = f"/tmp/megarl-test-{free_port()}.sock", b"k" * 16
+    received = {0: [], 1: []}
+
+    def worker(rank):
+        with connect_worker(address, authkey) as conn:
+            for bucket in receive_buckets(conn):
+                received[rank].extend((n, t.clone()) for n, t in bucket.tensors())
+
+    def receive():  # what collective_rpc does: every worker runs the reload at once
+        threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return "loaded"
+
+    assert serve_buckets(address, authkey, buckets, receive, workers=2) == "loaded"
+    for rank in (0, 1):
+        assert [n for n, _ in received[rank]] == [n for n, _ in checkpoint]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(received[rank], checkpoint))
+
+
+def test_ipc_failures_end_the_update_on_both_sides(checkpoint):
+    """An engine that fails before its workers connect does not leave the sender waiting; a worker
+    that fails partway ends the sender's loop; a sender whose buckets fail ends the workers'."""
+    from megarl.rollout.sharding.ipc import connect_worker, receive_buckets, serve_buckets
+    from megarl.rollout.sharding.protocol import UpdateProgress
+
+    address, authkey = f"/tmp/megarl-test-{free_port()}.sock", b"k" * 16
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=True))
+
+    def engine_asleep():
+        raise RuntimeError("engine is asleep")
+
+    progress = UpdateProgress()
+    with pytest.raises(RuntimeError, match="asleep"):
+        serve_buckets(address, authkey, iter(buckets), engine_asleep, progress=progress)
+    assert not progress.touched  # nothing reached a worker
+
+    def worker_fails_at_second_bucket():
+        with connect_worker(address, authkey) as conn:
+            for i, _ in enumerate(receive_buckets(conn)):
+                if i == 1:
+                    raise ValueError("reload failed")
+
+    progress = UpdateProgress()
+    with pytest.raises(ValueError, match="reload failed"):
+        serve_buckets(address, authkey, iter(buckets), worker_fails_at_second_bucket, progress=progress)
+    assert progress.touched
+
+    def failing_buckets():
+        yield buckets[0]
+        raise OSError("trainer rank lost")
+
+    def worker():
+        with connect_worker(address, authkey) as conn:
+            return sum(1 for _ in receive_buckets(conn))
+
+    with pytest.raises(EOFError):  # the worker sees the sender go away (raised first: the receive side's error)
+        serve_buckets(address, authkey, failing_buckets(), worker)
+
+
+def test_update_failing_partway_stops_the_engine_until_an_update_succeeds(rollout_models, checkpoint):
+    """A failure before any tensor reached the model: previous weights and version, requests go on.
+    After one reached it: the version stays, in-flight requests end with their partial outputs
+    (nothing lost) and new ones are refused with the reason, until a complete update succeeds."""
+    import asyncio
+
+    from megarl.rollout import SamplingParams
+    from rollout_api_checks import abort_state, midway
+
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    sender = sender_for(engine)
+    version, before = engine.version, {n: t.clone() for n, t in engine._params.items()}
+
+    def failing(after):
+        def buckets():
+            for i, bucket in enumerate(bucket_tensors(checkpoint, 200_000)):
+                if i == after:
+                    raise OSError("trainer rank lost")
+                yield bucket
+        return buckets()
+
+    sender.check(specs_of(checkpoint))
+    with pytest.raises(OSError):
+        sender.send(failing(0), version + 1)
+    assert engine.version == version and engine.broken is None and not engine.paused
+    assert all(torch.equal(engine._params[n], t) for n, t in before.items())
+
+    async def request():
+        if engine.broken:  # a retry: serve again first
+            await asyncio.to_thread(engine.update_weights, before.items(), version=version)
+        return await engine.generate([1, 5, 9], SamplingParams(temperature=0, max_tokens=200))
+
+    async def failing_update():
+        sender.check(specs_of(checkpoint))
+        with pytest.raises(OSError):
+            await asyncio.to_thread(sender.send, failing(2), version + 1)
+
+    (partial,) = asyncio.run(midway(request, failing_update, abort_state))
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 200
+    assert set(partial.versions) == {version}
+    assert engine.version == version and "mixes two versions" in engine.broken
+    with pytest.raises(RuntimeError, match="refuses requests until an update succeeds"):
+        engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert engine.update_weights(checkpoint) == version + 1 and engine.broken is None
+    assert engine_equals(engine, checkpoint) and engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from megarl.agent.single_turn import completion_trajectory
+from megarl.agent.trajectory import Trajectory
 from megarl.data.batch import Batch
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.trainer import batching, state
@@ -22,7 +24,8 @@ def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
     assert [r[0] for r in reqs] == [[5, 6], [7, 8, 9, 10]] and [r[1].seed for r in reqs] == [100, 101]
     done = [[Completion([3], [-0.5], "stop", 4), Completion([4, 3, 3], [-1.0, -2.0, -3.0], "length", 4)],
             [Completion([9, 3], [-0.1, -0.2], "stop", 4)] * 2]
-    batch = batching.rollout_batch(prompts(), done, pad_token_id=0, group_prefix="7:")
+    trajectories = [[completion_trajectory(ids, c) for c in group] for (ids, _), group in zip(reqs, done)]
+    batch = batching.trajectory_batch(prompts(), trajectories, pad_token_id=0, group_prefix="7:")
     assert len(batch) == 4 and "position_ids" not in batch
     assert batch["input_ids"].tolist()[1] == [0, 0, 5, 6, 4, 3, 3]
     assert batch["attention_mask"].tolist()[0] == [0, 0, 1, 1, 1, 0, 0]
@@ -32,6 +35,32 @@ def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
     rewards = batching.outcome_rewards(torch.tensor([1.0, 0.5, 0.0, 2.0]), batch["response_mask"])
     assert rewards.tolist() == [[1, 0, 0], [0, 0, 0.5], [0, 0, 0], [0, 2, 0]]
     assert [len(b) for b in batching.minibatches(batch, 2, epochs=2)] == [2, 2, 2, 2]
+
+
+def test_a_two_turn_trajectory_becomes_a_row_with_a_hole_and_rewards_on_model_tokens():
+    """turn 1 (model: 2 tokens) → tool observation (3 tokens, mask 0) → turn 2 (model: 2 tokens)."""
+    tool_turn = Trajectory([5, 6])
+    tool_turn.add_model_turn([11, 12], [-0.1, -0.2], version=3)
+    tool_turn.reward_turn(0.5)  # e.g. an environment's step reward for turn 1
+    tool_turn.add_observation("tool", [20, 21, 22])
+    tool_turn.add_model_turn([13, 2], [-0.3, -0.4], version=4)
+    tool_turn.finish_reason = "stop"
+    short = completion_trajectory([7, 8, 9, 10], Completion([9, 2], [-1.0, -2.0], "stop", 4))
+    batch = batching.trajectory_batch(prompts(), [[tool_turn.finalize()], [short]], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[0, 0, 5, 6, 11, 12, 20, 21, 22, 13, 2],
+                                           [7, 8, 9, 10, 9, 2, 0, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist()[1] == [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0]]
+    assert batch["rollout_log_probs"][0].tolist() == pytest.approx([-0.1, -0.2, 0, 0, 0, -0.3, -0.4])
+    assert batch["response_versions"].tolist() == [[3, 3, -1, -1, -1, 4, 4], [4, 4, -1, -1, -1, -1, -1]]
+    assert batch["policy_version"].tolist() == [3, 4]  # the oldest version among the row's tokens
+    assert batch["turn_rewards"][0].tolist() == [0, 0.5, 0, 0, 0, 0, 0]  # on turn 1's last model token
+    rewards = batching.outcome_rewards(torch.tensor([1.0, 2.0]), batch["response_mask"])
+    assert rewards.tolist() == [[0, 0, 0, 0, 0, 0, 1], [0, 2, 0, 0, 0, 0, 0]]  # the last model token
+    holes = torch.tensor([[1, 1, 0, 0, 1, 0, 0]])  # a trailing observation after the last model turn
+    assert batching.outcome_rewards(torch.tensor([1.0]), holes).tolist() == [[0, 0, 0, 0, 1, 0, 0]]
+    assert [t["role"] for t in batch["agent_turns"][0]] == ["assistant", "tool", "assistant"]
+    assert batch["agent_turns"][1] is None
 
 
 def test_only_checkpoints_with_driver_state_count_and_pruning_keeps_the_newest(tmp_path):

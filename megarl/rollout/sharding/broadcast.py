@@ -10,7 +10,8 @@ on every member with the engine's message before any weight moves; then `send` b
 policy version and, per `FlatBucket`, a 3-number control message, the bucket's layout (entries;
 only when it differs from what the receivers hold for that position, so once per model) and the
 bucket's buffer as it is (no concatenation; copied only if the group lives on another device).
-Receivers take each bucket into a fresh buffer and hand it to their engine's own sender
+Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
+kept per bucket position from update to update) and hand it to their engine's own sender
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
 all-gather collects the engines' versions. gloo on CPU (tested), NCCL on GPU.
 """
@@ -25,6 +26,7 @@ import torch
 from megarl.rollout.sharding.plan import HFSlot, HFSpec
 from megarl.rollout.sharding.protocol import FlatBucket, WeightUpdateError, alloc_flat, bucket_tensors
 from megarl.rollout.sharding.senders import sender_for
+from megarl.rollout.sharding.transport import KeptBuffers
 
 MESSAGE_BYTES = 4096
 
@@ -138,6 +140,9 @@ class BroadcastReceiver:
         self.group, self.engine = group, engine
         self.local = sender_for(engine)
         self._layouts: list = []
+        # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
+        # every update (no fresh shared-memory pages to allocate and zero after the first)
+        self._kept = KeptBuffers() if self.local.shares_buffers else None
 
     def receive_update(self) -> Optional[int]:
         """The engine's new version; None when the sender closed the group.
@@ -178,7 +183,8 @@ class BroadcastReceiver:
             if new:
                 self._layouts[position:position + 1] = [self.group.broadcast_object()]
             dtype, entries = self._layouts[position]
-            buffer = alloc_flat(numel, getattr(torch, dtype), self.group.device, shared=self.local.shares_buffers)
+            buffer = self._kept.take(position, numel, getattr(torch, dtype), self.group.device) if self._kept \
+                else alloc_flat(numel, getattr(torch, dtype), self.group.device)
             self.group.broadcast(buffer)
             yield FlatBucket(buffer, tuple(HFSlot(*e) for e in entries))
             position += 1

@@ -1,52 +1,58 @@
-"""IPC transport: a colocated vLLM worker in another process maps each bucket instead of copying it.
+"""IPC transport: vLLM workers in other processes map each bucket instead of copying it.
 
-Owns: `IpcSender` (trainer side; a `Sender`) and `MegarlWorkerExtension` (mixed into vLLM's workers
-with `worker_extension_cls`; `VLLMEngine` sets it). Per `FlatBucket` the trainer sends
+Owns: `IpcSender` (trainer side; a `Sender`), `serve_buckets` / `receive_buckets` (the two ends of
+one update) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_extension_cls`;
+`VLLMEngine` sets it). Per `FlatBucket` the trainer sends
 `torch.multiprocessing.reductions.reduce_tensor` of the bucket's buffer as it is — a CUDA IPC
 handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the sharding
 manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus the entries (name,
-shape, offset), over a `multiprocessing.connection` to the worker: nothing is flattened,
-concatenated or re-bucketed on the way. The worker rebuilds the tensor, streams views of it into
-ONE `reload_weights` call (vLLM's layer-wise reload must see a layer's tensors within one call)
-and acknowledges; vLLM may keep a layer's views until the layer is complete, so every bucket has a
-buffer of its own (`Sender.keeps_buffers`), which stays mapped while the worker holds it. After the
-reload the worker applies the vLLM re-pack fixes (`megarl.rollout.vllm_patches`).
+shape, offset), over a `multiprocessing.connection` to every vLLM worker of the engine: nothing is
+flattened, concatenated or re-bucketed on the way. Each worker rebuilds the tensor, streams views
+of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a layer's tensors within
+one call; its weight loaders take the worker's TP slice) and acknowledges; vLLM may keep a layer's
+views until the layer is complete, so every bucket has a buffer of its own within an update
+(`Sender.keeps_buffers`). After the reload the worker applies the vLLM re-pack fixes
+(`megarl.rollout.vllm_patches`).
 
-With several vLLM workers (rollout TP > 1, one per GPU), each worker connects to the listener
-whose address is `address_template.format(rank=<worker's local rank>)`, i.e. the trainer rank on
-its own GPU; every rollout rank of the sharding manager holds the full bucket (vLLM's weight
-loaders slice it for their TP rank). Tested on CPU (shared memory); the CUDA path is the same code
-with CUDA tensors and has not run here.
+With rollout TP > 1 all `engine.ipc_workers` workers connect to the one listener of the engine's
+host rank and each takes every bucket (a worker on another GPU opens the CUDA handle on the
+device it names: the sender's GPU, found by UUID among the worker's visible devices, which for a
+colocated engine include the host rank's GPU). A failure on either side ends the update on both
+(a worker that never connects does not leave the sender waiting): `serve_buckets` raises, and the
+engine decides what the failure means (`UpdateProgress`: had a bucket been handed over yet?).
+Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors.
 
 Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-typed
-(`check_update`, `load_by_ipc`).
+(`check_update`, `load_by_ipc`, `ipc_workers`).
 """
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import threading
 import uuid
 from multiprocessing.connection import Client, Listener
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from megarl.rollout.sharding.plan import HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket, announced, check_bucket
+from megarl.rollout.sharding.protocol import FlatBucket, UpdateProgress, announced, check_bucket
+
+_HELLO = "megarl-worker"
 
 
 class IpcSender:
-    """Trainer side of the IPC transport to an engine whose vLLM core is a child process."""
+    """Trainer side of the IPC transport to an engine whose vLLM workers are other processes."""
 
     keeps_buffers = True  # the worker's reload may hold a layer's views until the layer is complete
     shares_buffers = True
 
-    def __init__(self, engine, *, local_rank: int = 0, address_template: str | None = None):
+    def __init__(self, engine, *, address: Optional[str] = None):
         self.engine = engine
-        self.local_rank = local_rank
-        self.address_template = address_template or os.path.join(
-            tempfile.gettempdir(), f"megarl-ipc-{uuid.uuid4().hex[:12]}-{{rank}}.sock")
+        self.workers = int(getattr(engine, "ipc_workers", 1))
+        self.address = address or os.path.join(tempfile.gettempdir(), f"megarl-ipc-{uuid.uuid4().hex[:12]}.sock")
         self.authkey = os.urandom(16)
         self._announced = None
 
@@ -58,61 +64,124 @@ class IpcSender:
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Hand every bucket to the engine's workers by handle; returns the engine's version after it."""
         checked = (check_bucket(b, self._announced) for b in buckets)
-        return serve_buckets(self.address_template, self.local_rank, self.authkey, checked,
-                             lambda: self.engine.load_by_ipc(self.address_template, self.authkey, version))
+        progress = UpdateProgress()
+        return serve_buckets(self.address, self.authkey, checked,
+                             lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
+                             workers=self.workers, progress=progress)
 
 
-def serve_buckets(address_template: str, local_rank: int, authkey: bytes, buckets: Iterable[FlatBucket], receive):
-    """Listen, run `receive()` (which makes the workers connect and load) on a thread, feed it the buckets.
+def serve_buckets(address: str, authkey: bytes, buckets: Iterable[FlatBucket], receive, *, workers: int = 1,
+                  progress: Optional[UpdateProgress] = None):
+    """Listen, run `receive()` (which makes `workers` workers connect and load) on a thread, feed them the buckets.
 
-    Returns what `receive()` returned; re-raises what it raised.
+    Returns what `receive()` returned. A failure of `receive()` is raised as it is; a failure on
+    this side (the buckets, a worker gone) is raised after `receive()` has ended too.
     """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    address = address_template.format(rank=local_rank)
+    progress = progress or UpdateProgress()
     result: dict = {}
-
-    def run():
-        try:
-            result["value"] = receive()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
-            result["error"] = exc
-
     with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        with listener.accept() as conn:
-            for bucket in buckets:
-                conn.send((reduce_tensor(bucket.buffer), bucket.entries))
-                if conn.recv() != "ok":  # the worker has taken the bucket's views
-                    raise RuntimeError("vLLM worker did not acknowledge a weight bucket")
-            conn.send(None)
-        worker.join()
+        def run():
+            try:
+                result["value"] = receive()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
+                result["error"] = exc
+                _wake_listener(address)  # a sender still waiting for workers stops waiting
+
+        thread = threading.Thread(target=run, name="megarl-ipc-receive", daemon=True)
+        thread.start()
+        conns: list = []
+        try:
+            _feed(listener, conns, workers, buckets, progress)
+        except BaseException as exc:  # noqa: BLE001 - the receive side's error, when there is one, is the cause
+            result.setdefault("send_error", exc)
+        finally:
+            for conn in conns:
+                conn.close()  # workers still reading see the end and fail; receive() then returns
+            thread.join()
     if "error" in result:
         raise result["error"]
+    if "send_error" in result:
+        raise result["send_error"]
     return result["value"]
+
+
+def _feed(listener, conns: list, workers: int, buckets: Iterable[FlatBucket], progress: UpdateProgress) -> None:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    for _ in range(workers):
+        conn = listener.accept()
+        conns.append(conn)
+        if conn.recv() != _HELLO:
+            raise RuntimeError("an IPC peer that is not a megarl worker connected")
+    for bucket in buckets:
+        message = (reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer))
+        progress.touched = True  # from here a worker may hand tensors of this bucket to the model
+        for conn in conns:
+            conn.send(message)
+        for conn in conns:
+            if conn.recv() != "ok":  # the worker has taken the bucket's views
+                raise RuntimeError("a vLLM worker did not acknowledge a weight bucket")
+    for conn in conns:
+        conn.send(None)
+
+
+def _wake_listener(address: str) -> None:
+    """Connect once and hang up, so an `accept` still waiting for workers returns (its handshake fails);
+    a connection nobody accepts any more just sits in the closed listener's backlog."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect(address)
+        except OSError:  # the listener is already closed: nobody waits
+            pass
+
+
+def connect_worker(address: str, authkey: bytes):
+    """Worker side: a connection to the sender, announced (pass it to `receive_buckets`)."""
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    conn.send(_HELLO)
+    return conn
 
 
 def receive_buckets(conn) -> Iterable[FlatBucket]:
     """Worker side: the buckets sent by `serve_buckets` until it sends None (acknowledging each)."""
     while (message := conn.recv()) is not None:
-        (rebuild, args), entries = message
+        (rebuild, args), entries, device_uuid = message
+        if device_uuid is not None:
+            args = _on_visible_device(rebuild, args, device_uuid)
         yield FlatBucket(rebuild(*args), tuple(entries))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         conn.send("ok")
 
 
+def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
+    return str(torch.cuda.get_device_properties(tensor.device).uuid) if tensor.is_cuda else None
+
+
+def _on_visible_device(rebuild, args: tuple, device_uuid: str) -> tuple:
+    """`rebuild_cuda_tensor`'s arguments with the device renumbered: the sender numbers GPUs by its own
+    CUDA_VISIBLE_DEVICES, the worker by its own; the UUID names the same GPU in both."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if rebuild is not rebuild_cuda_tensor:
+        return args
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+            return args[:6] + (index,) + args[7:]  # args[6] is the storage's device index
+    raise RuntimeError(f"a weight bucket lives on GPU {device_uuid}, which this vLLM worker does not see: its"
+                       " CUDA_VISIBLE_DEVICES must include the GPU of the trainer rank that hosts the engine")
+
+
 class MegarlWorkerExtension:
     """Methods mixed into vLLM's worker class (`worker_extension_cls`), called with `collective_rpc`."""
 
-    def megarl_reload_by_ipc(self, address_template: str, authkey: bytes) -> int:
-        """Receive buckets from the trainer on this worker's device until it sends None; load them in one reload."""
+    def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
+        """Receive buckets from the trainer until it sends None; load them in one reload (this worker's slice)."""
         from megarl.rollout.vllm_patches import repack_after_reload
 
-        rank = getattr(self, "local_rank", 0)
         names: list[str] = []
-        with Client(address_template.format(rank=rank), family="AF_UNIX", authkey=authkey) as conn:
+        with connect_worker(address, authkey) as conn:
             def stream():
                 for bucket in receive_buckets(conn):
                     for name, tensor in bucket.tensors():

@@ -25,7 +25,7 @@ import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
-from megarl.rollout.sharding.transport import BufferRing, stream_buckets, unpack_bucket
+from megarl.rollout.sharding.transport import BufferRing, KeptBuffers, stream_buckets, unpack_bucket
 
 
 @dataclass
@@ -73,18 +73,23 @@ class ShardingManager:
     bridge: the actor's `ModelBridge` (weight map, dims); chunks: this rank's model chunks (one
     per virtual stage); rollout_ranks: global ranks of the replica that feed an engine (default:
     the first rank of the first stage); bucket_bytes: bound of one bucket (gathered bytes);
-    prefetch: buckets a rollout rank receives ahead while it unpacks (0: strictly one at a time).
+    prefetch: buckets a rollout rank receives ahead while it unpacks (0: strictly one at a time);
+    keep_shared_buffers: for a sender whose engine is another process on CPU (`Sender.shares_buffers`
+    and `keeps_buffers`: vLLM by IPC), keep one shared-memory buffer per bucket from sync to sync
+    (`transport.KeptBuffers`: no fresh pages to allocate and zero after the first sync, for about the
+    model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
     """
 
     def __init__(self, bridge, chunks: Sequence[torch.nn.Module], groups: Optional[TrainGroups] = None, *,
                  rollout_ranks: Optional[Sequence[int]] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 prefetch: int = 1):
+                 prefetch: int = 1, keep_shared_buffers: bool = True):
         import torch.distributed as dist
 
         self.bridge = bridge
         self.groups = groups or TrainGroups.from_parallel_state()
         self.bucket_bytes = bucket_bytes
         self.prefetch = prefetch
+        self.kept = KeptBuffers() if keep_shared_buffers else None
         self.rank = dist.get_rank()
         self._local = self._local_params(chunks)
         self._rollout_ranks = rollout_ranks
@@ -149,18 +154,24 @@ class ShardingManager:
     def iter_buckets(self, *, fresh: bool = False, shared: bool = False) -> Iterator[FlatBucket]:
         """Every rank must exhaust this; rollout ranks get each bucket as one `FlatBucket`.
 
-        A bucket's buffer stays valid until the next bucket is asked for, or for good with `fresh`
-        (for consumers that keep tensors, `Sender.keeps_buffers`); `shared`: in shared memory on CPU.
+        A bucket's buffer stays valid until the next bucket is asked for, or until the end of the
+        sync with `fresh` (for consumers that keep tensors, `Sender.keeps_buffers`; with `shared`
+        too and `keep_shared_buffers`, the next sync writes into the same buffers); `shared`: in
+        shared memory on CPU.
         """
         plan, dims = self.plan, self.bridge.dims
         outputs = BufferRing(1, shared=shared)  # the consumer is done with a bucket when it asks for the next
+        kept = self.kept if fresh and shared else None
         with torch.no_grad():
             for bucket, gathered in stream_buckets(plan.buckets, self._local, my_rank=self.rank,
                                                    stage_ranks=self.stage_ranks, dest_ranks=self._rollout_ranks,
                                                    my_source=self.groups.source, dims=dims, prefetch=self.prefetch,
-                                                   fresh=fresh, shared=shared):
-                out = outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh) \
-                    if bucket.sharded else None
+                                                   fresh=fresh, shared=shared, kept=kept):
+                out = None
+                if bucket.sharded:
+                    out = kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device) \
+                        if kept is not None else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device,
+                                                              fresh=fresh)
                 yield unpack_bucket(bucket, gathered, dims, out)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

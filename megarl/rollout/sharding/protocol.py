@@ -2,8 +2,9 @@
 
 Owns: `FlatBucket` (one flat contiguous buffer plus the (HF name, shape, offset) of every tensor
 in it, each a contiguous slice, in order), the `Sender` contract every transport implements,
-`WeightUpdateError`, and the helpers all senders share: `bucket_tensors` (a list of HF tensors →
-flat buckets, the one bucketing of tensors that do not come from the sharding manager),
+`WeightUpdateError`, `UpdateProgress` (whether a failing update had reached the model yet), and
+the helpers all senders share: `bucket_tensors` (a list of HF tensors → flat buckets, the one
+bucketing of tensors that do not come from the sharding manager),
 `check_bucket` (a bucket against the announced specs) and `alloc_flat` (fresh, optionally
 shared-memory buffers). Imports torch and `plan` only: no engine, no transport, no vLLM / Ray.
 
@@ -69,6 +70,23 @@ class Sender(Protocol):
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Load every bucket (only the checked specs may arrive); returns the engine's version after it."""
+
+
+class UpdateProgress:
+    """How far an update got: whether any of its tensors may have reached the model yet.
+
+    A failure before that leaves the engine's weights as they were; after it, they may mix two
+    versions (`RolloutEngine.updating` decides what the engine does with that).
+    """
+
+    def __init__(self):
+        self.touched = False
+
+    def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same stream, marking `touched` as the first tensor is handed on."""
+        for item in weights:
+            self.touched = True
+            yield item
 
 
 def announced(specs: Sequence[HFSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -15,7 +15,9 @@ split per query group and gate/up per shard in the same pass, vocab padding neve
 one output buffer; a replicated bucket's received buffer is already the flat bucket (no copy).
 Buffers are reused from bucket to bucket within a sync (fresh allocations cost page faults
 comparable to the copy itself) unless the consumer keeps them (`fresh=True`: every yielded
-bucket gets its own buffer), and are freed after it. Peak extra memory on a rollout rank:
+bucket gets its own buffer), and are freed after it — or, for a consumer in another process on
+CPU, kept for the next sync (`KeptBuffers`: one shared-memory buffer per bucket, written again by
+every sync). Peak extra memory on a rollout rank:
 (1 + prefetch) gathered buckets + one output bucket (3 × bucket_bytes by default) plus, with
 `fresh`, the buckets the consumer still holds; on a sender: two packed shares of a bucket.
 """
@@ -69,14 +71,16 @@ def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, dims, out: Optional[to
 def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: int,
                    stage_ranks: dict[tuple[int, int], Sequence[int]], dest_ranks: Sequence[int],
                    my_source: Optional[tuple[int, int]], dims, prefetch: int = 1, fresh: bool = False,
-                   shared: bool = False) -> Iterator[tuple[Bucket, torch.Tensor]]:
+                   shared: bool = False, kept: Optional["KeptBuffers"] = None
+                   ) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer) on rollout ranks.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
     generator is resumed; with `fresh`, a replicated bucket's buffer (which becomes the flat
-    bucket) is never reused. `shared`: yielded buffers live in shared memory (CPU).
+    bucket) is never reused within this sync (with `kept`, it is that bucket's kept buffer, which
+    the next sync writes again). `shared`: yielded buffers live in shared memory (CPU).
     """
     order = list(buckets)  # the plan's transfer order; p2p messages match by (source, tag)
     recv_slots, send_slots = BufferRing(prefetch + 1, shared=shared), BufferRing(2)
@@ -89,7 +93,7 @@ def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: in
         if my_rank in dest_ranks:
             while len(posted) <= prefetch and (nxt := next(to_post, None)) is not None:
                 posted.append(_post_receive(nxt, local_params, dims, my_rank, stage_ranks, recv_slots,
-                                            fresh=fresh and not nxt.sharded))
+                                            fresh=fresh and not nxt.sharded, kept=kept))
             yield _finish_receive(*posted.popleft())
     for works, _ in sends:
         for work in works:
@@ -119,6 +123,34 @@ class BufferRing:
         return buf[:nbytes].view(dtype)
 
 
+class KeptBuffers:
+    """Shared-memory buffers kept from sync to sync, one per key (a bucket's position and role).
+
+    For consumers in another process that keep a bucket's buffer until the end of an update (vLLM's
+    reload): within one update every bucket still has a buffer of its own, but the next update
+    writes into the same ones: no fresh shared-memory pages to allocate and zero every sync (the
+    consumer maps pages that already exist). The price: the buffers stay allocated (about the
+    model's HF bytes). CPU only; on other devices `take` hands out a fresh buffer each time.
+    """
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def take(self, key, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type != "cpu":
+            return alloc_flat(numel, dtype, device)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[key] = alloc_flat(nbytes, torch.uint8, device, shared=True)
+        return buf[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+
 def _sources(bucket: Bucket, stage_ranks) -> list[int]:
     stage = stage_ranks[bucket.source]
     return list(stage) if bucket.sharded else [stage[0]]
@@ -142,13 +174,17 @@ def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, s
     sends.append(([dist.isend(buf, dst=d, tag=bucket.index) for d in targets], buf))
 
 
-def _post_receive(bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool):
+def _post_receive(bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool,
+                  kept: Optional[KeptBuffers] = None):
     """Take a gathered buffer [rows, local_numel]; irecv every remote row, pack our own."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
     device = _device_of(bucket, local_params) if my_rank in sources else _default_device()
-    gathered = slots.take(len(sources) * bucket.local_numel, bucket.dtype, device, fresh=fresh).view(len(sources), -1)
+    numel = len(sources) * bucket.local_numel
+    flat = kept.take(("gathered", bucket.index), numel, bucket.dtype, device) if fresh and kept is not None \
+        else slots.take(numel, bucket.dtype, device, fresh=fresh)
+    gathered = flat.view(len(sources), -1)
     works = []
     for row, src in enumerate(sources):
         if src == my_rank:
