@@ -171,7 +171,10 @@ def summarize(trajectories: list[Trajectory], prefix: str = "agent/") -> dict[st
     for traj in trajectories:
         for key, value in traj.metrics.items():
             sums.setdefault(key, []).append(float(value))
-    out = {f"{prefix}{key}": sum(values) / len(values) for key, values in sorted(sums.items())}
+    # wall-clock means (tool_seconds, env_seconds) go under time/, beside the phase times: they are the
+    # metrics a rerun cannot reproduce, and resume comparisons skip that prefix
+    out = {f"{'time/' + prefix if key.endswith('_seconds') else prefix}{key}": sum(values) / len(values)
+           for key, values in sorted(sums.items())}
     for reason in FINISH_REASONS:
         out[f"{prefix}finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
     out[f"{prefix}rewarded_turns"] = sum(len(t.turn_rewards()) for t in trajectories) / len(trajectories)

@@ -89,4 +89,4 @@ class AgentRollout:
 def agent_metrics(trajectories: list[Trajectory], seconds: float) -> dict:
     """Step metrics of the generate phase: turns, tool calls and errors by kind, tool seconds, masked-token
     share, finish reasons (`megarl.agent.trajectory.summarize`), and trajectories per second."""
-    return {**summarize(trajectories), "agent/trajectories_per_s": len(trajectories) / max(seconds, 1e-9)}
+    return {**summarize(trajectories), "perf/trajectories_per_s": len(trajectories) / max(seconds, 1e-9)}
