@@ -21,7 +21,8 @@ bound, runs each sample through its row's agent loop over `cluster.rollout.submi
 
 Group (loader batch k, row r) is seeded and named as the synchronous step k seeds its row r (`step_seed`,
 uid "k.0:r"), so max_staleness=0 trains exactly the synchronous run's batches. Groups are scored when the
-trainer takes them (the reward runner and reward model are driven from the trainer's thread only).
+trainer takes them (the reward runner and reward model are driven from the trainer's thread only); a
+step's time/generate is the trainer's wait for finished groups.
 Imports asyncio and threading; Ray only through the engines' handles.
 """
 from __future__ import annotations
@@ -65,11 +66,12 @@ class Group:
 class IdleClock:
     """Seconds the engines spent idle (no request in flight, or paused for an update) since the last read."""
 
-    def __init__(self):
-        self.idle, self.since, self.running, self.paused = 0.0, time.perf_counter(), 0, False
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.idle, self.since, self.running, self.paused = 0.0, clock(), 0, False
 
     def change(self, running: int = 0, paused: Optional[bool] = None) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self.running == 0 or self.paused:
             self.idle += now - self.since
         self.since, self.running = now, self.running + running
@@ -92,7 +94,7 @@ class Producer:
         self.capacity = asy.max_concurrent_rollouts or self.per_step * self.n * (asy.max_staleness + 1)
         self.lock, self.clock = threading.Condition(), IdleClock()
         self.trained = self.started = self.running = self.dropped = 0
-        self.version, self.paced, self.error = version, 0.0, None
+        self.version, self.paced, self.error, self.last_take = version, 0.0, None, time.perf_counter()
         self.groups: dict[tuple[int, int], Group] = {}  # admitted, not yet trained
         self.batches: dict[int, dict] = {}  # loader batch → loader state before it, rows, rows trained
         self.retry: deque[Group] = deque()  # dropped groups, admitted again first
@@ -107,7 +109,6 @@ class Producer:
     # ------------------------------------------------------------------ the producer's loop (its own thread)
 
     def start(self) -> None:
-        self.last_take = time.perf_counter()
         self.thread.start()
         self.main = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
 
@@ -138,7 +139,8 @@ class Producer:
                              if r not in self.batches[k]["trained"])
         return self.rows.popleft()
 
-    def _admit(self, group: Group) -> bool:
+    def admit(self, group: Group) -> bool:
+        """Count `group` in (True) if the staleness bound and max_concurrent_rollouts allow it now."""
         with self.lock:
             if (self.started + 1 > (self.trained + 1 + self.staleness) * self.per_step
                     or self.running + self.n > self.capacity):
@@ -147,18 +149,28 @@ class Producer:
             self.clock.change(self.n)
             group.admitted_at, group.trajectories = self.trained, None
             self.groups[group.key] = group
+            return True
+
+    def _admit(self, group: Group) -> bool:
+        if not self.admit(group):
+            return False
         task = self.loop.create_task(self._run(group))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
 
     async def _run(self, group: Group) -> None:
-        (k, row), error = group.key, None
+        (k, row), error, trajectories = group.key, None, None
         try:
             trajectories = await self.agents.group(group.prompts, 0, self.params, step_seed(self.seed, k) + row,
                                                    session=f"{k}.0:{row}")
         except Exception as err:  # noqa: BLE001 -- handed to the trainer, which stops the run with it
             error = err
+        self.finish(group, trajectories if error is None else None, error)
+        self.wake.set()
+
+    def finish(self, group: Group, trajectories: Optional[list[Trajectory]], error: Optional[BaseException] = None):
+        """A group's samples are done: into the buffer (or its error to the trainer)."""
         with self.lock:
             self.running -= self.n
             self.clock.change(-self.n)
@@ -167,7 +179,6 @@ class Producer:
             else:
                 group.trajectories = trajectories
             self.lock.notify_all()
-        self.wake.set()
 
     def call(self, coroutine, timeout: Optional[float] = None):
         """Run a coroutine on the producer's loop (the one the router is bound to); its result."""
@@ -175,8 +186,10 @@ class Producer:
 
     # ------------------------------------------------------------------ the trainer's side
 
-    def take(self) -> tuple[list[Group], dict]:
-        """The next batch's groups (by key), waiting until they are finished; the buffer's metrics."""
+    def take(self, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
+        """The next batch's groups (by key), waiting until they are finished; the buffer's metrics.
+        (`timeout_s`: give up with TimeoutError after that long.)"""
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         with self.lock:
             while True:
                 if self.error is not None:
@@ -186,12 +199,15 @@ class Producer:
                 picked, depth = self._pick()
                 if picked:
                     break
-                self.lock.wait(timeout=1.0)
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"no batch of {self.per_step} groups within {timeout_s} s")
+                self.lock.wait(timeout=0.2 if deadline else 1.0)
             for group in picked:
                 del self.groups[group.key]
                 self.batches[group.key[0]]["trained"].add(group.key[1])
             stats = {"async/buffer_depth": float(depth), "async/dropped": float(self.dropped),
                      "async/paced_seconds": self.paced, "async/in_flight": float(self.running),
+                     "async/reruns": float(self.engines.router.reruns),
                      "time/engine_idle_share": self.clock.read() / max(time.perf_counter() - self.last_take, 1e-9)}
             self.dropped, self.paced, self.last_take = 0, 0.0, time.perf_counter()
         return picked, stats
@@ -216,14 +232,16 @@ class Producer:
                 self.started -= 1
                 del self.groups[group.key]
                 self.retry.append(group)
-                self.loop.call_soon_threadsafe(self.wake.set)
+                if self.thread.is_alive():
+                    self.loop.call_soon_threadsafe(self.wake.set)
 
     def step_done(self, version: Optional[int]) -> None:
         """A step was trained (and, unless None, the engines now serve `version`): admission moves on."""
         with self.lock:
             self.trained += 1
             self.version = self.version if version is None else version
-        self.loop.call_soon_threadsafe(self.wake.set)
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.wake.set)
 
     @contextlib.contextmanager
     def paused(self, mode: str):
@@ -255,6 +273,7 @@ class Producer:
     def stop(self) -> None:
         """Cancel the producer and its groups, end its loop and thread."""
         if not self.thread.is_alive():
+            self.loop.close()
             return
 
         async def cancel():
@@ -267,6 +286,8 @@ class Producer:
             self.call(cancel(), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class AsyncRLTrainer(RLTrainer):
@@ -295,7 +316,7 @@ class AsyncRLTrainer(RLTrainer):
     def train_step(self, step: int) -> dict:
         """Take a batch of finished groups from the buffer, score it, train on it (`RLTrainer.learn`)."""
         timer = PhaseTimer()
-        with timer("wait_rollouts"):
+        with timer("generate"):                                    # the trainer waits for finished groups
             groups, stats = self.producer.take()
         batch = self.assemble(groups)
         stats.update(agent_metrics([t for g in groups for t in g.trajectories], max(timer.total, 1e-9)))
@@ -304,7 +325,7 @@ class AsyncRLTrainer(RLTrainer):
             batch = self.shape(self.score(batch))
         metrics = self.learn(step, batch, stats, timer)
         self.producer.step_done(self.pushed if self.actor_trains(step) else None)
-        metrics["time/trainer_idle_share"] = timer.seconds["wait_rollouts"] / max(timer.total, 1e-9)
+        metrics["time/trainer_idle_share"] = timer.seconds["generate"] / max(timer.total, 1e-9)
         return metrics
 
     def assemble(self, groups: list[Group]) -> Batch:
