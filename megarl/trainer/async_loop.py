@@ -105,6 +105,7 @@ class Producer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="megarl-rollouts", daemon=True)
         self.tasks: set = set()
+        self.wake = asyncio.Event()  # set (on the loop) whenever admission may have become possible
 
     # ------------------------------------------------------------------ the producer's loop (its own thread)
 
@@ -113,16 +114,20 @@ class Producer:
         self.main = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
 
     async def _produce(self) -> None:
-        self.wake = asyncio.Event()
-        while True:
-            group, waited = self._next_group(), time.perf_counter()
+        try:
             while True:
-                self.wake.clear()
-                if self._admit(group):
-                    break
-                await self.wake.wait()
+                group, waited = self._next_group(), time.perf_counter()
+                while True:
+                    self.wake.clear()
+                    if self._admit(group):
+                        break
+                    await self.wake.wait()
+                with self.lock:
+                    self.paced += time.perf_counter() - waited
+        except Exception as err:  # noqa: BLE001 -- e.g. the loader: the trainer stops the run with it
             with self.lock:
-                self.paced += time.perf_counter() - waited
+                self.error = err
+                self.lock.notify_all()
 
     def _next_group(self) -> Group:
         """A dropped group first, else the next row of the current loader batch (skipping rows a resumed

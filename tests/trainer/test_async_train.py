@@ -95,7 +95,6 @@ def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_tas
     # under abort, the requests in flight at an update were aborted and run again: none comes back short
     assert rows[-1]["async/reruns"] > 0 and rows[-1]["async/mixed_version_samples"] == 0
     assert all(r["async/staleness_max"] <= 1 and r["async/dropped"] == 0 for r in first + rows)
-    assert all(r["agent/finish/abort"] == 0 for r in rows if "agent/finish/abort" in r)
     # every prompt group trained once: steps 1-2 of the killed run, 3-5 of the rerun, which starts with
     # the groups the checkpoint had buffered or in flight
     trained = [dumped_uids(run, step) for step in range(1, 6)]
