@@ -9,7 +9,8 @@ the advantage estimator is looked up by name (its declared needs say whether the
 generates greedy baselines, for ReMax). Colocated engines sleep through the training phases.
 Validation (greedy by default) runs before the first step and every `validation.every_steps`;
 checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto` continues
-from the latest complete checkpoint.
+from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training phases, which
+the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
 """
 from __future__ import annotations
 
