@@ -1,8 +1,8 @@
 """trainer.mode=async end to end on CPU: one vLLM engine server on pool 'rollout', a TP1 actor on 'main'.
 
 * max_staleness=0 is the synchronous run: the same metrics (all but timings) step for step.
-* max_staleness=1 with on_update=continue, SIGKILLed while it writes the step-3 checkpoint, then rerun
-  with on_update=abort and two more steps: requests ran across weight updates (per-token versions show
+* max_staleness=1 with on_update=continue and a checkpoint every 2 steps, SIGKILLed while it writes the
+  step-4 checkpoint, then rerun from step 2 with on_update=abort and one more step: requests ran across weight updates (per-token versions show
   the switch under continue; under abort the router reran the aborted ones and no sample is short),
   no trained token lags more than one version, and every prompt group is trained exactly once across
   the two runs, the rerun starting with the groups buffered or in flight at the checkpoint.
@@ -78,10 +78,12 @@ def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float =
 def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_task, tmp_path):
     run = tmp_path / "run"
     args = overrides(tiny_task, run, *SERVER, "trainer.mode=async", "async_training.max_staleness=1",
-                     "trainer.checkpoint_every_steps=1", "trainer.keep_checkpoints=0", "rollout.max_response_tokens=160")
-    _killed_at_checkpoint([*args, "trainer.total_steps=4"], run, tmp_path / "held", nth=3)
-    first = step_rows(run)  # steps 1-3 (step 3's checkpoint never completed)
-    first_uids = {step: dumped_uids(run, step) for step in (1, 2, 3)}
+                     "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=0", "rollout.max_response_tokens=200")
+    # no checkpoint between steps 1 and 2: the groups admitted after step 1 are still generating at the
+    # update after step 2 (long responses), and step 3 trains them
+    _killed_at_checkpoint([*args, "trainer.total_steps=4"], run, tmp_path / "held", nth=2)
+    first = step_rows(run)  # steps 1-4 (step 4's checkpoint never completed)
+    first_uids = {step: dumped_uids(run, step) for step in (1, 2)}
     cursor = torch.load(run / "checkpoints/step_000002/driver_state.pt", weights_only=False)["rollouts"]
     code, out, seconds = run_train("grpo_quickstart.yaml", [*args, "trainer.total_steps=5",
                                                             "async_training.on_update=abort"])
@@ -89,13 +91,14 @@ def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_tas
     print(f"resumed run: {seconds:.0f} s")
     assert "resumed from" in out and "(step 2)" in out
     rows = step_rows(run)
-    assert [r["step"] for r in first] == [1, 2, 3] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     # under continue, requests in flight across the update after step 2 finished on the new weights
     assert first[2]["async/mixed_version_samples"] > 0, first[2]
     # under abort, the requests in flight at an update were aborted and run again: none comes back short
     assert rows[-1]["async/reruns"] > 0 and rows[-1]["async/mixed_version_samples"] == 0
     assert all(r["async/staleness_max"] <= 1 and r["async/dropped"] == 0 for r in first + rows)
-    # every prompt group trained once: steps 1-2 of the killed run, 3-5 of the rerun, which starts with
+    # every prompt group trained once: steps 1-2 of the killed run, 3-5 of the rerun (its steps 3-4 were
+    # lost with the step-4 checkpoint), which starts with
     # the groups the checkpoint had buffered or in flight
     trained = [dumped_uids(run, step) for step in range(1, 6)]
     assert trained[:2] == [first_uids[1], first_uids[2]]
