@@ -33,6 +33,6 @@ def completion_trajectory(prompt_ids, completion: Completion, tokenizer=None, se
     trajectory.add_model_turn(completion.token_ids, completion.logprobs or [0.0] * len(completion.token_ids),
                               completion.version, finish_reason=completion.finish_reason,
                               text=tokenizer.decode(completion.token_ids, skip_special_tokens=True) if tokenizer else "",
-                              seconds=seconds)
+                              seconds=seconds, versions=completion.versions or None)
     trajectory.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
     return trajectory.finalize()

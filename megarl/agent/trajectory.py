@@ -76,13 +76,16 @@ class Trajectory:
 
     # -- building ---------------------------------------------------------------------------------
     def add_model_turn(self, token_ids: list[int], logprobs: list[float], version: int, *, text: str = "",
-                       finish_reason: str = "stop", seconds: float = 0.0) -> Turn:
-        """Append an engine completion verbatim (mask 1, its log-probs, its version)."""
+                       finish_reason: str = "stop", seconds: float = 0.0, versions: Optional[list[int]] = None) -> Turn:
+        """Append an engine completion verbatim (mask 1, its log-probs, its version, or per token `versions`:
+        a request that ran across a weight update switches version mid-turn)."""
         if len(logprobs) != len(token_ids):
             raise ValueError(f"a model turn has {len(token_ids)} tokens but {len(logprobs)} log-probs; agent loops"
                              " need the engine's log-prob of every token (SamplingParams.logprobs=True)")
         turn = self._extend("assistant", token_ids, 1, logprobs, version, text=text, finish_reason=finish_reason,
                             seconds=seconds)
+        if versions is not None and len(versions) == len(token_ids):
+            self.response_versions[turn.start:turn.end] = [int(v) for v in versions]
         turn.version = version
         return turn
 

@@ -32,6 +32,9 @@ ROLLOUT_ENGINES = ("auto", "vllm", "embedded")
 ROLLOUT_MODES = ("colocated", "server")
 ACCELERATORS = ("gpu", "cpu")
 RESUME_MODES = ("auto", "never")
+TRAINER_MODES = ("sync", "async")
+OVER_STALE = ("pace", "drop")
+ON_UPDATE = ("continue", "abort")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 MAIN_POOL = "main"
 
@@ -71,6 +74,24 @@ class TrainerConfig:
     """Project name (wandb)."""
     experiment: str = "run"
     """Experiment name (wandb, console header)."""
+    mode: str = "sync"
+    """sync: generate, then train, every step; async: generation overlaps training (`async_training`;
+    needs rollout.mode=server)."""
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous training (trainer.mode=async): rollouts stream into a buffer while the trainer trains."""
+
+    max_staleness: int = 1
+    """Policy versions a trained token may lag the trainer (AReaL's max_head_offpolicyness); 0: synchronous."""
+    max_concurrent_rollouts: Optional[int] = None
+    """Trajectories in flight; None: prompts_per_step * samples_per_prompt * (max_staleness + 1)."""
+    over_stale: str = "pace"
+    """pace: admission stops so nothing gets too stale; drop: too-stale groups are dropped (counted, resubmitted)."""
+    on_update: str = "continue"
+    """At a weight update in-flight requests continue on the new weights (continue: partial rollout, the
+    per-token versions show the switch) or are aborted and rerun on them (abort)."""
 
 
 @dataclass
@@ -283,3 +304,5 @@ class RunConfig:
     """Advantages, losses, KL, DAPO, mismatch correction."""
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     """Nodes, GPUs and pools."""
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous training's staleness bound and update behaviour (trainer.mode=async)."""

@@ -20,8 +20,8 @@ from typing import Optional
 
 from megarl.config.loader import ConfigError
 from megarl.config.schema import (
-    ACCELERATORS, LOGGERS, MAIN_POOL, RESUME_MODES, ROLLOUT_ENGINES, ROLLOUT_MODES, RoleConfig, RunConfig,
-    TrainableRoleConfig,
+    ACCELERATORS, LOGGERS, MAIN_POOL, ON_UPDATE, OVER_STALE, RESUME_MODES, ROLLOUT_ENGINES, ROLLOUT_MODES,
+    TRAINER_MODES, RoleConfig, RunConfig, TrainableRoleConfig,
 )
 from megarl.models.layout import LayoutError
 
@@ -189,6 +189,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> Derived:
     check_paths=False skips the checks that read local files (HF config.json, data, tokenizer).
     """
     _check_ranges(cfg)
+    _check_async(cfg)
     _check_algorithm(cfg)
     _check_agent(cfg, check_paths)
     derived = derive(cfg)
@@ -235,6 +236,30 @@ def _check_ranges(cfg: RunConfig) -> None:
         (bool(cfg.model.hf_path), "model.hf_path is empty: set it to the initial policy's HF checkpoint directory"),
         (bool(cfg.data.files), "data.files is empty: list the training prompt files (parquet/jsonl/json)"),
     ]
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """trainer.mode and async_training; async needs engines on their own pool and no per-step generation loop."""
+    asy, mode = cfg.async_training, cfg.trainer.mode
+    rules = [(mode in TRAINER_MODES, f"trainer.mode={mode!r}; pick one of {', '.join(TRAINER_MODES)}"),
+             (asy.max_staleness >= 0, f"async_training.max_staleness={asy.max_staleness} must be >= 0 (0: synchronous)"),
+             (asy.over_stale in OVER_STALE, f"async_training.over_stale={asy.over_stale!r}; pick one of pace, drop"),
+             (asy.on_update in ON_UPDATE, f"async_training.on_update={asy.on_update!r}; pick one of continue, abort"),
+             (asy.max_concurrent_rollouts is None or asy.max_concurrent_rollouts >= cfg.rollout.samples_per_prompt,
+              f"async_training.max_concurrent_rollouts={asy.max_concurrent_rollouts} is below one prompt's"
+              f" rollout.samples_per_prompt={cfg.rollout.samples_per_prompt}; raise it or leave it unset (null)")]
+    if mode == "async":
+        rules += [(cfg.rollout.mode == "server",
+                   "trainer.mode=async overlaps generation with training, which colocated engines cannot (they share"
+                   " the actor's GPUs); set rollout.mode=server with rollout.pool=<a pool of its own in"
+                   " resources.pools>, or trainer.mode=sync"),
+                  (not cfg.algorithm.dapo.filter_groups, "trainer.mode=async does not support"
+                   " algorithm.dapo.filter_groups yet; turn it off or use trainer.mode=sync"),
+                  (cfg.algorithm.advantage.estimator != "remax", "trainer.mode=async does not support"
+                   " algorithm.advantage.estimator=remax (greedy baselines per step) yet; use trainer.mode=sync")]
     for ok, message in rules:
         if not ok:
             raise ConfigError(message)

@@ -3,6 +3,9 @@
     loop.py      RLTrainer: fit() and the step, one phase per line (generate → score → shape → old
                  log-probs → ref log-probs → values → advantages → critic update → actor update →
                  weight sync), driving the roles through `megarl.controller.Cluster`'s typed handles
+    async_loop.py AsyncRLTrainer (trainer.mode=async): a producer thread streams prompt groups through
+                 the engine servers under the staleness bound into a buffer; the trainer takes
+                 batches from it and trains with RLTrainer.learn; updates pause, not drain, the engines
     run.py       train(cfg, derived): data checks before Ray, workers, the loop; RunData; Ctrl-C and
                  lost nodes reported with the checkpoint a rerun continues from
     preflight.py checks of local files before Ray and before run_dir is written (weights, resume

@@ -45,15 +45,27 @@ class AgentRollout:
 
     def __init__(self, ctx: AgentContext, engines):
         self.ctx, self.engines = ctx, engines
+        self.run_coroutine = asyncio.run
+        """Runs the agent loops of `run` to completion; the asynchronous trainer hands them to the event loop
+        its router is bound to."""
 
     def run(self, prompts: Batch, params: SamplingParams, seed: Optional[int], session: str) -> list[list[Trajectory]]:
         """Per prompt row, its `params.n` trajectories (in sample order)."""
         if self.all_single_turn(prompts):
             return self._single_turn(prompts, params, seed)
         ctx = dataclasses.replace(self.ctx, params=dataclasses.replace(params, n=1))
-        samples = [[self._sample(prompts, row, i, params, seed) for i in range(params.n)]
+        samples = [[self.sample(prompts, row, i, params, seed) for i in range(params.n)]
                    for row in range(len(prompts))]
-        return asyncio.run(self._agents(samples, ctx, session))
+        return self.run_coroutine(self._agents(samples, ctx, session))
+
+    async def group(self, prompts: Batch, row: int, params: SamplingParams, seed: Optional[int],
+                    session: str) -> list[Trajectory]:
+        """Row `row`'s `params.n` trajectories, each its own request(s) through `RoutedLLM` (the asynchronous
+        trainer's unit of work); sample `i` is seeded seed + row + i, as in `run`."""
+        ctx = dataclasses.replace(self.ctx, params=dataclasses.replace(params, n=1))
+        samples = [self.sample(prompts, row, i, params, seed) for i in range(params.n)]
+        return list(await asyncio.gather(*(run_agent(s, RoutedLLM(self.engines, f"{session}.{i}"), ctx)
+                                           for i, s in enumerate(samples))))
 
     def all_single_turn(self, prompts: Batch) -> bool:
         """Every row's agent loop is single_turn (its `agent_name`, else the configured default)."""
@@ -61,7 +73,7 @@ class AgentRollout:
         names = prompts["agent_name"] if "agent_name" in prompts else [None] * len(prompts)
         return all((name or default) == "single_turn" for name in names)
 
-    def _sample(self, prompts: Batch, row: int, index: int, params: SamplingParams, seed: Optional[int]):
+    def sample(self, prompts: Batch, row: int, index: int, params: SamplingParams, seed: Optional[int]):
         """Row `row`'s sample `index`; seeded like vLLM's n-sample requests (seed + row + index)."""
         fields = {key: prompts[key][row] for key in prompts.keys()}
         fields["input_ids"] = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()

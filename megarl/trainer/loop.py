@@ -9,7 +9,8 @@ the advantage estimator is looked up by name (its declared needs say whether the
 generates greedy baselines, for ReMax). Colocated engines sleep through the training phases.
 Validation (greedy by default) runs before the first step and every `validation.every_steps`;
 checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto` continues
-from the latest complete checkpoint.
+from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training phases, which
+the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class RLTrainer:
         self.needs_baseline = "baseline_rewards" in estimator_needs(cfg.algorithm.advantage.estimator)
         self.agents = AgentRollout(data.agents, cluster.rollout)
         self.step = 0
+        self.resumed_state: Optional[state.DriverState] = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -75,8 +77,13 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict:
         """One RL step; returns its metrics."""
-        timer, cluster = PhaseTimer(), self.cluster
+        timer = PhaseTimer()
         batch, stats = self.rollout(step, timer)                    # generate → score → shape
+        return self.learn(step, batch, stats, timer)
+
+    def learn(self, step: int, batch: Batch, stats: dict, timer: PhaseTimer) -> dict:
+        """The training phases of a step on its scored samples (also the async driver's): the step's metrics."""
+        cluster = self.cluster
         with cluster.rollout.asleep(timer):                         # colocated engines free their memory
             with timer("old_log_probs"):
                 batch = batch.union(cluster.actor.compute_log_probs(batch))
@@ -96,9 +103,13 @@ class RLTrainer:
                     stats.update(self.update("actor", batch))
         if self.actor_trains(step):                                 # critic warm-up: engines keep their weights
             with timer("weight_sync"):
-                stats["rollout/policy_version"] = float(cluster.rollout.sync_weights())
+                stats["rollout/policy_version"] = float(self.push_weights())
         self.dump_rollouts(step, batch)
         return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
+
+    def push_weights(self) -> int:
+        """The actor's weights into the engines; their new policy version."""
+        return self.cluster.rollout.sync_weights()
 
     def actor_trains(self, step: int) -> bool:
         """False during the critic warm-up (`algorithm.critic_warmup_steps`)."""
@@ -138,7 +149,7 @@ class RLTrainer:
         the training batch (group ids `step.round:row` stay unique across the rounds of a step); the agent
         metrics (turns, tool calls and errors, ...) go into `stats`."""
         params = params or self.sampling
-        seed = (self.cfg.trainer.seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
+        seed = step_seed(self.cfg.trainer.seed, step, round_)
         start = time.perf_counter()
         trajectories = self.agents.run(prompts, params, seed, session=f"{step}.{round_}")
         if stats is not None:
@@ -231,10 +242,13 @@ class RLTrainer:
         directory = state.step_dir(self.cfg.trainer.run_dir, step)
         for name, role in self.cluster.trainable_roles().items():
             role.save_checkpoint(str(directory / name))
-        kl = self.kl_ctrl.value if self.cfg.algorithm.kl_reward.coef > 0 else None
-        state.save_driver_state(directory, state.DriverState(step, self.data.loader.state_dict(), kl,
-                                                             state.rng_state()))
+        state.save_driver_state(directory, self.driver_state(step))
         state.prune_checkpoints(self.cfg.trainer.run_dir, self.cfg.trainer.keep_checkpoints)
+
+    def driver_state(self, step: int) -> state.DriverState:
+        """What the driver saves beside the engines' checkpoints after `step`."""
+        kl = self.kl_ctrl.value if self.cfg.algorithm.kl_reward.coef > 0 else None
+        return state.DriverState(step, self.data.loader.state_dict(), kl, state.rng_state())
 
     def resume(self) -> int:
         """Continue from the checkpoint trainer.resume points at, if any (a damaged one falls back to the
@@ -250,6 +264,7 @@ class RLTrainer:
         if saved.kl_coef is not None:
             self.kl_ctrl.value = saved.kl_coef
         state.set_rng_state(saved.rng)
+        self.resumed_state = saved
         self.cluster.rollout.sync_weights()
         print(f"[megarl] resumed from {directory} (step {saved.step})", flush=True)
         return saved.step
@@ -262,6 +277,11 @@ class RLTrainer:
         plot = self.log.plot()
         if plot is not None:
             self.log.print(f"[megarl] reward curve: {plot}")
+
+
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The sampling seed of a step's generation round; sample `i` of prompt row `r` gets seed + r + i."""
+    return (seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
 
 
 def _every(step: int, every: int, total: int) -> bool:

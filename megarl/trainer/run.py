@@ -86,6 +86,7 @@ def train(cfg, derived) -> list[dict]:
     from megarl.config import save_resolved
     from megarl.controller import init_ray
     from megarl.controller.cluster import Cluster
+    from megarl.trainer.async_loop import AsyncRLTrainer
     from megarl.trainer.loop import RLTrainer
 
     data = load_run_data(cfg)
@@ -103,7 +104,8 @@ def train(cfg, derived) -> list[dict]:
         cluster = Cluster(cfg, derived)
         print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
         nodes = _alive_nodes()
-        return RLTrainer(cfg, derived, cluster, data).fit()
+        trainer = RLTrainer if cfg.trainer.mode == "sync" else AsyncRLTrainer
+        return trainer(cfg, derived, cluster, data).fit()
     except KeyboardInterrupt:  # Ctrl-C / SIGTERM (megarl.utils.interrupts): say what a rerun does, stop everything
         _report_interrupt(cfg.trainer.resume, cfg.trainer.run_dir)
         interrupted = True

@@ -56,6 +56,9 @@ class DriverState:
     """Current KL-in-reward coefficient (the adaptive controller moves it)."""
     rng: dict = field(default_factory=dict)
     """Python, numpy and torch RNG states of the driver."""
+    rollouts: Optional[dict] = None
+    """trainer.mode=async: the data cursor aligned with what was trained and the prompts in flight or
+    buffered then (`megarl.trainer.async_loop.Producer.state_dict`); None in synchronous runs."""
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

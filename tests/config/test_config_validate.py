@@ -181,3 +181,28 @@ def test_rollout_server_pool(local):
     derived = validate(_cfg(local, "resources.gpus_per_node=4", "resources.pools={main: 2, rollout: 2}",
                             "rollout.mode=server", "rollout.pool=rollout", "rollout.tp=1"))
     assert derived.pool_gpus == {"main": 2, "rollout": 2} and derived.rollout_engines == 2
+
+
+SERVER = ["resources.gpus_per_node=3", "resources.pools={main: 2, rollout: 1}", "rollout.mode=server",
+          "rollout.pool=rollout"]
+
+
+def test_async_with_colocated_engines_is_refused_naming_the_server_fix(local):
+    with pytest.raises(ConfigError, match=r"trainer\.mode=async .*colocated.*rollout\.mode=server.*rollout\.pool"):
+        validate(_cfg(local, "trainer.mode=async"), check_paths=False)
+    derived = validate(_cfg(local, "trainer.mode=async", *SERVER), check_paths=False)
+    assert derived.rollout_engines == 1
+
+
+@pytest.mark.parametrize("override, match", [
+    ("trainer.mode=overlap", r"trainer\.mode='overlap'; pick one of sync, async"),
+    ("async_training.max_staleness=-1", r"async_training\.max_staleness=-1 must be >= 0"),
+    ("async_training.over_stale=skip", r"async_training\.over_stale='skip'; pick one of pace, drop"),
+    ("async_training.on_update=wait", r"async_training\.on_update='wait'; pick one of continue, abort"),
+    ("async_training.max_concurrent_rollouts=2", r"max_concurrent_rollouts=2 is below one prompt's"),
+    ("algorithm.dapo.filter_groups=true", r"trainer\.mode=async does not support algorithm\.dapo\.filter_groups"),
+])
+def test_bad_async_settings_are_refused_naming_the_field(local, override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_cfg(local, "trainer.mode=async", "rollout.samples_per_prompt=4", *SERVER, override),
+                 check_paths=False)
