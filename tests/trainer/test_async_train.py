@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) i
 SERVER = ["resources.gpus_per_node=2", "resources.pools={main: 1, rollout: 1}", "rollout.mode=server",
           "rollout.pool=rollout", "actor.layout.tp=1", "trainer.loggers=[jsonl]", "validation.before_train=false",
           "validation.every_steps=0", "trainer.export_hf_at_end=false", "trainer.dump_rollouts_every_steps=1"]
-TIMINGS = ("time/", "perf/", "agent/trajectories_per_s")
+TIMINGS = ("time/", "perf/")
 
 
 def step_rows(run_dir):
