@@ -7,9 +7,11 @@ Which phases do work follows from the active roles (`megarl.config.active_roles`
 reference the ref phase is empty, without a critic the value phase and critic update are, and
 the advantage estimator is looked up by name (its declared needs say whether the step also
 generates greedy baselines, for ReMax). Colocated engines sleep through the training phases.
-Validation (greedy by default) runs before the first step and every `validation.every_steps`;
-checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto` continues
-from the latest complete checkpoint.
+Rewards scored off the driver's thread (the reward pool, or a batch-level reward fn) are scored
+while the log-prob phases run (`overlaps_rewards`). Validation (greedy by default, or its own
+sampling) runs before the first step and every `validation.every_steps`; `trainer.val_only` only
+validates. Checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto`
+continues from the latest complete checkpoint.
 """
 from __future__ import annotations
 

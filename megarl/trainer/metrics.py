@@ -109,13 +109,14 @@ def _numeric(value) -> bool:
 
 def reward_metrics(batch: Batch, prefix: str) -> dict:
     """Means of what the reward fns returned: every extra numeric key overall (`{prefix}/{key}`, e.g.
-    reward/format) and score, acc and every extra key per data source (`{prefix}/{data_source}/{key}`)."""
+    reward/format), score, acc and every extra key per data source (`{prefix}/{data_source}/{key}`), and
+    the share of rows whose reward fn failed (raised, timed out: `{prefix}/error_rate`)."""
     infos = list(batch["reward_info"]) if "reward_info" in batch else [{}] * len(batch)
     rows = [{"score": float(s), **({"acc": float(batch["acc"][i])} if "acc" in batch else {}),
              **{k: float(v) for k, v in (info or {}).items() if k not in REWARD_SKIP and _numeric(v)}}
             for i, (s, info) in enumerate(zip(batch["scores"].tolist(), infos))]
     sources = [str(ds) for ds in batch["data_source"]]
-    out = {}
+    out = {f"{prefix}/error_rate": sum((info or {}).get("reward_error") is not None for info in infos) / max(1, len(infos))}
     for key in sorted({k for r in rows for k in r}):
         if key not in REWARD_SKIP:
             out[f"{prefix}/{key}"] = _mean_of(rows, key)

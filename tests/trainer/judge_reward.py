@@ -17,5 +17,5 @@ def judge(solution_strs, ground_truths, extras):
     if log:
         with open(log, "a") as f:
             f.write(f"{threading.current_thread().name} {len(solution_strs)}\n")
-    return [{"score": float(arithmetic_reward(s, g, e)), "format": float(s.strip().isdigit()), "judged": 1}
+    return [{**arithmetic_reward(s, g, e), "format": float(s.strip().isdigit()), "judged": 1}
             for s, g, e in zip(solution_strs, ground_truths, extras)]

@@ -128,6 +128,7 @@ def test_every_key_a_reward_fn_returns_is_logged_overall_and_per_data_source():
     assert m["reward/math/acc"] == 0.5 and m["reward/code/acc"] == 0.5
     assert m["reward/math/format"] == 0.5 and m["reward/code/format"] == 0.5 and m["reward/code/tests_passed"] == 2.0
     assert "reward/math/tests_passed" not in m and "reward/reward_error" not in m  # only rows that returned it
+    assert m["reward/error_rate"] == 0.25  # one row's reward fn failed
 
 
 def test_validation_reports_mean_and_pass_at_n_overall_and_per_data_source():

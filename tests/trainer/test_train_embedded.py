@@ -54,6 +54,7 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
     steps = [r for r in rows if "reward/score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
+        assert r["reward/error_rate"] == 0.0, r  # the judge ran, no sample fell back to failure_score
         assert r["reward/judged"] == 1.0 and r["reward/arithmetic/judged"] == 1.0 and 0 <= r["reward/format"] <= 1
         assert r["reward/arithmetic/score"] == r["reward/score/mean"]
         # the wait left after the log-probs ran: less than the judge's time by most of the log-prob phase
