@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The newcomer's first command: installs megarl, then trains a tiny Qwen2 with GRPO on CPU until its
-# greedy validation accuracy clearly climbs (about 2 minutes of training on 2 cores), and shows where
+# greedy validation accuracy clearly climbs (a 3-minute budget of training on 2 idle cores), and shows where
 # the reward plot is.
 #
 #   bash scripts/quickstart.sh [--ppo] [--seed N] [RUN_DIR] [dotted.overrides ...]

@@ -78,6 +78,15 @@ class TrainerConfig:
     """sync: generate, then train, every step; async: generation overlaps training (`async_training`;
     needs rollout.mode=server)."""
 
+    val_only: bool = False
+    """Only evaluate: load what trainer.resume points at (auto: the latest checkpoint in run_dir, if any;
+    never: model.hf_path, the initial policy; or a checkpoint path), validate once, log it at that step
+    (appended to metrics.jsonl) and exit without training. Needs validation.files."""
+    zero_variance_warn_steps: int = 10
+    """Warn (once) when more than half of the prompt groups of every step had the same reward for all of
+    their samples (rollout/zero_variance_groups > 0.5: group baselines give them zero advantage) this many
+    steps in a row; 0: never."""
+
 
 @dataclass
 class AsyncConfig:
@@ -105,9 +114,17 @@ class ValidationConfig:
     before_train: bool = True
     """Validate once before the first step (the baseline of the curve)."""
     greedy: bool = True
-    """Greedy decoding; false samples at rollout.temperature / top_p."""
+    """Greedy decoding; false samples at validation.temperature / top_p / top_k."""
+    temperature: Optional[float] = None
+    """Sampling temperature when greedy=false; None: rollout.temperature."""
+    top_p: Optional[float] = None
+    """Nucleus threshold when greedy=false; None: rollout.top_p."""
+    top_k: Optional[int] = None
+    """Top-k when greedy=false; None: rollout.top_k."""
     samples_per_prompt: int = 1
-    """Responses per validation prompt (mean reward reported; >1 only makes sense when sampling)."""
+    """Responses per validation prompt (n). val/acc and val/score are means over all responses (mean@n);
+    with n > 1 also val/acc/mean@n and val/acc/pass@n (share of prompts with a right response).
+    >1 only makes sense with greedy=false."""
     max_prompts: Optional[int] = None
     """Use only the first this many validation prompts; None: all."""
 

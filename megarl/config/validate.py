@@ -225,6 +225,11 @@ def _check_ranges(cfg: RunConfig) -> None:
          f"resources.nodes={res.nodes} and resources.gpus_per_node={res.gpus_per_node} must be >= 1"),
         (cfg.validation.samples_per_prompt >= 1,
          f"validation.samples_per_prompt={cfg.validation.samples_per_prompt} must be >= 1"),
+        *_validation_sampling_rules(cfg.validation),
+        (not tr.val_only or bool(cfg.validation.files),
+         "trainer.val_only=true evaluates on validation.files, which is empty; list the evaluation prompt files"),
+        (tr.zero_variance_warn_steps >= 0,
+         f"trainer.zero_variance_warn_steps={tr.zero_variance_warn_steps} must be >= 0 (0: never warn)"),
         (cfg.algorithm.dapo.overlong_buffer_len < ro.max_response_tokens,
          f"algorithm.dapo.overlong_buffer_len={cfg.algorithm.dapo.overlong_buffer_len} must be smaller than"
          f" rollout.max_response_tokens={ro.max_response_tokens} (the penalty zone ends at the limit)"),
@@ -265,6 +270,15 @@ def _check_async(cfg: RunConfig) -> None:
             raise ConfigError(message)
 
 
+def _validation_sampling_rules(val) -> list[tuple[bool, str]]:
+    """validation.temperature / top_p / top_k (None: the rollout's) in range when set."""
+    return [(val.temperature is None or val.temperature >= 0,
+             f"validation.temperature={val.temperature} must be >= 0 (or null: rollout.temperature)"),
+            (val.top_p is None or 0 < val.top_p <= 1,
+             f"validation.top_p={val.top_p} must be in (0, 1] (or null: rollout.top_p)"),
+            (val.top_k is None or val.top_k >= 0, f"validation.top_k={val.top_k} must be >= 0 (0: off; null: rollout.top_k)")]
+
+
 def _check_algorithm(cfg: RunConfig) -> None:
     from megarl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
     from megarl.algorithms.mismatch import IS_LEVELS
@@ -284,16 +298,24 @@ def _check_algorithm(cfg: RunConfig) -> None:
             registry.get(name)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{where}: {err}") from None
-    if cfg.reward.reward_fn is not None:
-        from megarl.rewards import get_reward_fn
-
-        try:
-            get_reward_fn(cfg.reward.reward_fn)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"reward.reward_fn: {err}") from None
+    _check_reward_fns(cfg)
     if alg.critic_warmup_steps < 0 or alg.critic_warmup_steps >= cfg.trainer.total_steps:
         raise ConfigError(f"algorithm.critic_warmup_steps={alg.critic_warmup_steps} must be in [0,"
                           f" trainer.total_steps={cfg.trainer.total_steps}) or the actor never trains")
+
+
+def _check_reward_fns(cfg: RunConfig) -> None:
+    """reward.reward_fn / reward.batch_reward_fn resolve (registered name or loadable dotted path)."""
+    from megarl.rewards import get_batch_reward_fn, get_reward_fn
+
+    for where, name, lookup in (("reward.reward_fn", cfg.reward.reward_fn, get_reward_fn),
+                                ("reward.batch_reward_fn", cfg.reward.batch_reward_fn, get_batch_reward_fn)):
+        if name is None:
+            continue
+        try:
+            lookup(name)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{where}: {err}") from None
 
 
 def _check_estimator_needs(cfg: RunConfig, derived: Derived) -> None:

@@ -73,6 +73,7 @@ ROLLOUT_COLUMNS: dict[str, Column] = {
     "response_text": _c("object", "B", "reward", "the decoded response the reward function read"),
     "scores": _c("float", "B", "reward", "outcome score per row (rule + reward model + shaping)"),
     "acc": _c("float", "B", "reward", "1 when the answer is right (accuracy metrics)"),
+    "reward_info": _c("object", "B", "reward", "the reward fn's other entries per row (dict; logged as means)"),
     "rm_scores": _c("float", "B", "reward_model", "the reward model's score at the last response token"),
     "baseline_rewards": _c("float", "B", "reward", "score of the greedy response to the same prompt (ReMax)"),
     "token_level_scores": _c("float", "B,T", "reward", "the score placed on the last response token"),

@@ -6,8 +6,15 @@ Every reward function has the signature
 
 `solution_str` is the decoded response, `ground_truth` the dataset's ground-truth string and
 `extra` the row's other columns (data_source, extra_info, ...). A dict result must hold `score`;
-its other numeric entries (e.g. `acc`) are logged as metrics. `get_reward_fn` accepts a registered
-name, `pkg.module:fn`, or `path/to/file.py:fn` (user code). Imports nothing heavy.
+its other numeric entries (e.g. `acc`, `format`) are logged as metrics, overall and per data source.
+`get_reward_fn` accepts a registered name, `pkg.module:fn`, or `path/to/file.py:fn` (user code).
+
+Batch-level reward functions (`BATCH_REWARDS`, `register_batch_reward`, `get_batch_reward_fn`) get a
+whole step at once, for a judge model or a remote service that batches or parallelises itself:
+
+    fn(solution_strs: list[str], ground_truths: list, extras: list[dict]) -> list[float | dict]
+
+one result per sample, in order (each extra holds the row's data_source). Imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from megarl.utils.registry import Registry
 RewardFn = Callable[[str, str, dict], "float | dict[str, Any]"]
 
 REWARDS = Registry("reward", ("solution_str", "ground_truth", "extra"))
+BATCH_REWARDS = Registry("batch reward", ("solution_strs", "ground_truths", "extras"))
 
 DATA_SOURCE_ALIASES: dict[str, str] = {
     "openai/gsm8k": "gsm8k",
@@ -45,6 +53,16 @@ def list_rewards() -> list[str]:
 def get_reward_fn(name: str) -> RewardFn:
     """Resolve a registered name, a known data_source, `pkg.module:fn`, or `path/to/file.py:fn`."""
     return REWARDS.get(DATA_SOURCE_ALIASES.get(name, name))
+
+
+def register_batch_reward(name: str) -> Callable:
+    """Decorator registering a batch-level reward fn (see the module docstring) under `name`."""
+    return BATCH_REWARDS.register(name)
+
+
+def get_batch_reward_fn(name: str) -> Callable:
+    """Resolve a registered batch reward name, `pkg.module:fn`, or `path/to/file.py:fn`."""
+    return BATCH_REWARDS.get(name)
 
 
 def normalize_result(result: Any) -> dict[str, Any]:

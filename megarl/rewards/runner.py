@@ -1,7 +1,8 @@
 """`RewardRunner`: score a step's responses with rule rewards in a process pool.
 
 Owns scheduling and failure isolation, not scoring: each sample's reward fn comes from the
-registry (by `RewardConfig.reward_fn`, else by the sample's `data_source`). A fn that raises, or
+registry (by `RewardConfig.reward_fn`, else by the sample's `data_source`); a batch-level fn
+(`RewardConfig.batch_reward_fn`) gets the whole call at once, in the calling thread. A fn that raises, or
 runs past `timeout_s` (an alarm inside the worker), gives that sample `failure_score` and a
 `reward_error` text; a worker that ignores the alarm (stuck in C code) is killed after
 `kill_grace_s` more, the pool is recreated and the other in-flight samples run again. A step
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from megarl.rewards.registry import DATA_SOURCE_ALIASES, get_reward_fn, normalize_result
+from megarl.rewards.registry import DATA_SOURCE_ALIASES, get_batch_reward_fn, get_reward_fn, normalize_result
 
 _POOL_START_TIMEOUT_S = 60.0
 
@@ -33,6 +34,12 @@ class RewardConfig:
 
     reward_fn: str | None = None
     """Reward for every sample (registered name, `pkg.module:fn` or `file.py:fn`); None: by data_source."""
+    batch_reward_fn: str | None = None
+    """A batch-level reward scoring the whole step in one call (registered with `register_batch_reward`,
+    `pkg.module:fn` or `file.py:fn`): fn(solution_strs, ground_truths, extras) -> list of float | dict,
+    e.g. a judge model or a remote service. Runs in the driver (a thread of it), not in the pool;
+    replaces reward_fn and the data_source lookup. If it raises, every sample of the call gets
+    `failure_score` and the error."""
     data_source_rewards: dict[str, str] = field(default_factory=dict)
     """Extra data_source -> reward name entries, on top of the built-in aliases."""
     num_workers: int = 2
@@ -48,6 +55,9 @@ class RewardConfig:
     entry script's `if __name__ == "__main__":` guard)."""
 
     def __post_init__(self):
+        if self.reward_fn is not None and self.batch_reward_fn is not None:
+            raise ValueError(f"RewardConfig: set reward_fn ({self.reward_fn!r}) or batch_reward_fn"
+                             f" ({self.batch_reward_fn!r}), not both: the batch fn scores every sample")
         if self.num_workers < 0:
             raise ValueError(f"RewardConfig.num_workers must be >= 0, got {self.num_workers}")
         if self.timeout_s <= 0:
@@ -107,6 +117,8 @@ class RewardRunner:
         extras: Sequence[dict] | None = None,
     ) -> list[dict[str, Any]]:
         """One dict per sample: `score` (float), `reward_error` (None or why it failed), fn metrics."""
+        if self.config.batch_reward_fn is not None:
+            return self._score_batch(solutions, ground_truths, data_sources, extras)
         tasks = self._tasks(solutions, ground_truths, data_sources, extras)
         with self._lock:
             if self.config.num_workers == 0:
@@ -128,6 +140,21 @@ class RewardRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _score_batch(self, solutions, ground_truths, data_sources, extras) -> list[dict[str, Any]]:
+        """The batch-level reward fn over every sample in one call (see `RewardConfig.batch_reward_fn`)."""
+        n = len(solutions)
+        fn = get_batch_reward_fn(self.config.batch_reward_fn)
+        sources = list(data_sources) if data_sources is not None else [None] * n
+        rows = [{**(ex or {}), "data_source": ds} for ex, ds in zip(extras or [{}] * n, sources)]
+        try:
+            results = list(fn(list(solutions), list(ground_truths), rows))
+        except Exception as e:  # noqa: BLE001 -- a failing judge/service fails this call's samples, not the run
+            return [self._finish(None, f"batch reward fn: {type(e).__name__}: {e}") for _ in range(n)]
+        if len(results) != n:
+            raise ValueError(f"RewardConfig.batch_reward_fn {self.config.batch_reward_fn!r} returned {len(results)}"
+                             f" results for {n} samples; it must return one float or dict per sample, in order")
+        return [self._finish(normalize_result(r), None) for r in results]
 
     def _tasks(self, solutions, ground_truths, data_sources, extras) -> list[tuple]:
         n = len(solutions)

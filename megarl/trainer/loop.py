@@ -7,15 +7,18 @@ Which phases do work follows from the active roles (`megarl.config.active_roles`
 reference the ref phase is empty, without a critic the value phase and critic update are, and
 the advantage estimator is looked up by name (its declared needs say whether the step also
 generates greedy baselines, for ReMax). Colocated engines sleep through the training phases.
-Validation (greedy by default) runs before the first step and every `validation.every_steps`;
-checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto` continues
-from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training phases, which
-the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
+Rewards scored off the driver's thread (the reward pool, or a batch-level reward fn) are scored
+while the log-prob phases run (`overlaps_rewards`). Validation (greedy by default, or its own
+sampling) runs before the first step and every `validation.every_steps`; `trainer.val_only` only
+validates. Checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto`
+continues from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training
+phases, which the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
 """
 from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -30,7 +33,9 @@ from megarl.data.batch import Batch
 from megarl.rollout.base import SamplingParams
 from megarl.trainer import batching, state
 from megarl.trainer.agents import AgentRollout, agent_metrics
-from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, mfu_meter, timing_metrics
+from megarl.trainer.metrics import (
+    PhaseTimer, RunLogger, ZeroVarianceWatch, batch_metrics, mean_metrics, mfu_meter, timing_metrics, validation_metrics,
+)
 
 
 class RLTrainer:
@@ -45,8 +50,11 @@ class RLTrainer:
                                        max_tokens=ro.max_response_tokens, n=ro.samples_per_prompt,
                                        stop_token_ids=data.stop_token_ids)
         self.greedy = replace(self.sampling, n=1, temperature=0.0)
+        self.validation_params = validation_sampling(cfg, self.sampling)
         self.needs_baseline = "baseline_rewards" in estimator_needs(cfg.algorithm.advantage.estimator)
         self.agents = AgentRollout(data.agents, cluster.rollout)
+        self.zero_variance = ZeroVarianceWatch(cfg.trainer.zero_variance_warn_steps)
+        self.reward_thread = ThreadPoolExecutor(1, "megarl-reward") if self.overlaps_rewards() else None
         self.step = 0
         self.resumed_state: Optional[state.DriverState] = None
 
@@ -56,6 +64,8 @@ class RLTrainer:
         """Run (or continue) the configured steps; the metrics of each step run here."""
         tr, val = self.cfg.trainer, self.cfg.validation
         self.step = self.resume()
+        if tr.val_only:
+            return self.validate_only()
         self.log = RunLogger(self.cfg, start_step=self.step)
         history = []
         try:
@@ -67,22 +77,41 @@ class RLTrainer:
                 if _every(self.step, val.every_steps, tr.total_steps):
                     metrics.update(self.validate())
                 self.log.log(self.step, metrics)
+                self.warn(self.zero_variance.update(metrics))
                 history.append(metrics)
                 if _every(self.step, tr.checkpoint_every_steps, tr.total_steps):
                     self.save_checkpoint(self.step)
             self.finish()
         finally:
             self.log.close()
+            if self.reward_thread is not None:
+                self.reward_thread.shutdown(wait=False, cancel_futures=True)
         return history
+
+    def validate_only(self) -> list[dict]:
+        """trainer.val_only: validate the loaded policy once, append it to metrics.jsonl at its step, exit."""
+        self.log = RunLogger(self.cfg, start_step=self.step, append_only=True)
+        try:
+            metrics = self.validate()
+            self.log.log(self.step, metrics, advance=False)
+        finally:
+            self.log.close()
+        return [metrics]
+
+    def warn(self, message: Optional[str]) -> None:
+        if message:
+            self.log.print(message)
 
     def train_step(self, step: int) -> dict:
         """One RL step; returns its metrics."""
         timer = PhaseTimer()
-        batch, stats = self.rollout(step, timer)                    # generate → score → shape
-        return self.learn(step, batch, stats, timer)
+        batch, stats, scoring = self.rollout(step, timer)           # generate → score → shape
+        return self.learn(step, batch, stats, timer, scoring)
 
-    def learn(self, step: int, batch: Batch, stats: dict, timer: PhaseTimer) -> dict:
-        """The training phases of a step on its scored samples (also the async driver's): the step's metrics."""
+    def learn(self, step: int, batch: Batch, stats: dict, timer: PhaseTimer,
+              scoring: Optional[Future] = None) -> dict:
+        """The training phases of a step on its samples (also the async driver's): the step's metrics.
+        `scoring`: the future of rewards still being scored (`overlaps_rewards`), joined after the log-probs."""
         cluster = self.cluster
         with cluster.rollout.asleep(timer):                         # colocated engines free their memory
             with timer("old_log_probs"):
@@ -93,6 +122,9 @@ class RLTrainer:
             if cluster.critic:
                 with timer("values"):
                     batch = batch.union(cluster.critic.compute_values(batch))
+            if scoring is not None:                                 # rewards scored meanwhile: wait for the rest
+                with timer("reward"):
+                    batch = self.shape(self.score(batch, scoring.result()))
             with timer("advantages"):
                 batch = self.advantages(batch, stats)
             if cluster.critic:
@@ -117,10 +149,23 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ phases
 
-    def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict]:
-        """The step's scored samples: one round of prompts, or with DAPO dynamic sampling
-        (`algorithm.dapo.filter_groups`) rounds until `prompts_per_step` groups have reward variance."""
+    def overlaps_rewards(self) -> bool:
+        """Rewards scored off the driver's thread (the reward worker pool, or a batch reward fn) run while the
+        log-prob phases run, unless the step needs its scores first (dynamic sampling, ReMax's baseline)."""
+        rw = self.cfg.reward
+        off_thread = rw.num_workers > 0 or rw.batch_reward_fn is not None
+        return off_thread and not self.cfg.algorithm.dapo.filter_groups and not self.needs_baseline
+
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict, Optional[Future]]:
+        """The step's samples, scored (generate → score → shape), or when rewards overlap the log-prob
+        phases (`overlaps_rewards`) unscored with the future of their rule rewards; with DAPO dynamic
+        sampling (`algorithm.dapo.filter_groups`) rounds until `prompts_per_step` groups have reward variance."""
         rounds, scores, stats = itertools.count(), [], {}
+        if self.reward_thread is not None:
+            with timer("generate"):
+                batch = self.generate(self.data.loader.next_batch(), step, stats=stats)
+            batch["response_text"] = batching.decode_responses(batch, self.data.tokenizer)
+            return batch, stats, self.reward_thread.submit(self.rule_rewards, batch)
 
         def one_round() -> Batch:
             prompts, round_ = self.data.loader.next_batch(), next(rounds)
@@ -136,12 +181,12 @@ class RLTrainer:
 
         dapo = self.cfg.algorithm.dapo
         if not dapo.filter_groups:
-            return one_round(), stats
+            return one_round(), stats, None
         batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
                                   score_key="scores")
         # reward/* metrics describe the kept groups; these describe everything generated
         return batch, {**stats, "rollout/generation_rounds": float(n),
-                       "rollout/score_before_filter": float(torch.cat(scores).mean())}
+                       "rollout/score_before_filter": float(torch.cat(scores).mean())}, None
 
     def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0,
                  stats: Optional[dict] = None) -> Batch:
@@ -156,19 +201,26 @@ class RLTrainer:
             stats.update(agent_metrics([t for group in trajectories for t in group], time.perf_counter() - start))
         return batching.trajectory_batch(prompts, trajectories, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
 
-    def score(self, batch: Batch) -> Batch:
-        """Rule rewards (+ the reward model's score) → scores, acc and the response texts they read."""
-        texts = batching.decode_responses(batch, self.data.tokenizer)
+    def rule_rewards(self, batch: Batch) -> list[dict]:
+        """The reward fns' results (one dict per row: score, acc, ...) for the rows' `response_text`."""
         extras = [{**(e if isinstance(e, dict) else {}), **(r or {})} for e, r in
                   zip(_column(batch, "extra_info", len(batch)), _column(batch, "reward_extras", len(batch)))]
-        results = self.data.rewards.score(texts, list(batch["ground_truth"]), list(batch["data_source"]), extras)
+        return self.data.rewards.score(list(batch["response_text"]), list(batch["ground_truth"]),
+                                       list(batch["data_source"]), extras)
+
+    def score(self, batch: Batch, results: Optional[list[dict]] = None) -> Batch:
+        """Rule rewards (scored now unless `results` are given) + the reward model's score → scores, acc,
+        reward_info (the fns' other entries) and the response texts they read."""
+        if "response_text" not in batch:
+            batch["response_text"] = batching.decode_responses(batch, self.data.tokenizer)
+        results = self.rule_rewards(batch) if results is None else results
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         if self.cluster.reward_model:
             batch = batch.union(self.cluster.reward_model.compute_scores(batch))
             scores = scores + self.cfg.reward_model.weight * batch["rm_scores"].float()
         batch["scores"] = scores
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
-        batch["response_text"] = texts
+        batch["reward_info"] = [{k: v for k, v in r.items() if k not in ("score", "acc")} for r in results]
         return batch
 
     def shape(self, batch: Batch) -> Batch:
@@ -223,14 +275,10 @@ class RLTrainer:
 
     def validate(self) -> dict:
         """Mean score / accuracy of the validation prompts (greedy unless validation.greedy=false)."""
-        val = self.cfg.validation
         if self.data.validation is None:
             return {}
-        n = val.samples_per_prompt
-        params = replace(self.sampling, n=n, temperature=0.0) if val.greedy else replace(self.sampling, n=n)
-        batch = self.score(self.generate(self.data.validation, step=-1, params=params))
-        return {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
-                "val/response_length": float(batch["response_mask"].sum(-1).float().mean())}
+        batch = self.score(self.generate(self.data.validation, step=-1, params=self.validation_params))
+        return validation_metrics(batch, self.validation_params.n)
 
     def dump_rollouts(self, step: int, batch: Batch) -> None:
         """Every `trainer.dump_rollouts_every_steps`: the step's samples to rollouts/step_N.jsonl."""
@@ -282,6 +330,16 @@ class RLTrainer:
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
     """The sampling seed of a step's generation round; sample `i` of prompt row `r` gets seed + r + i."""
     return (seed * 1_000_003 + step * 10_007 + round_ * 101) % (2**31)
+
+
+def validation_sampling(cfg, sampling: SamplingParams) -> SamplingParams:
+    """Validation's own sampling: greedy, or validation.temperature / top_p / top_k (None: the rollout's),
+    validation.samples_per_prompt responses per prompt."""
+    val = cfg.validation
+    if val.greedy:
+        return replace(sampling, n=val.samples_per_prompt, temperature=0.0, top_p=1.0, top_k=0)
+    return replace(sampling, n=val.samples_per_prompt,
+                   **{k: getattr(val, k) for k in ("temperature", "top_p", "top_k") if getattr(val, k) is not None})
 
 
 def _every(step: int, every: int, total: int) -> bool:

@@ -2,7 +2,9 @@
 
 Owns: `PhaseTimer` (one `with timer("generate"):` per loop phase), `batch_metrics` (rewards, the
 share of prompt groups without reward variance, advantages, returns, values, response lengths,
-clipped responses, entropy, rollout/train log-prob gap), `timing_metrics` (per-phase seconds, tokens/s, the driver's share of the step), and
+clipped responses, entropy, rollout/train log-prob gap), `reward_metrics` (every key the reward fns
+return, overall and per data source), `validation_metrics` (mean@n, pass@n, per data source),
+`ZeroVarianceWatch` (the warning when most groups carry no signal step after step), `timing_metrics` (per-phase seconds, tokens/s, the driver's share of the step), and
 `RunLogger`: console lines (through the tqdm progress bar over steps), `metrics.jsonl`,
 TensorBoard (`torch.utils.tensorboard.SummaryWriter`), optional wandb, rollout samples as JSONL
 (`rollouts/step_N.jsonl`) and the reward curve as a PNG (`reward_curve.png`, matplotlib Agg).
@@ -74,6 +76,8 @@ def batch_metrics(batch: Batch) -> dict:
         out["reward/baseline/mean"] = float(batch["baseline_rewards"].mean())
     if "uid" in batch:
         out["rollout/zero_variance_groups"] = zero_variance_share(batch["scores"], batch["uid"])
+    if "data_source" in batch:
+        out.update(reward_metrics(batch, "reward"))
     for key in ("advantages", "returns", "values"):
         if key in batch:
             out.update(_describe(key, _masked(batch[key], mask)))
@@ -93,6 +97,89 @@ def zero_variance_share(scores: torch.Tensor, group_ids) -> float:
     for group, score in zip(group_ids, scores.tolist()):
         groups.setdefault(group, set()).add(score)
     return sum(len(s) == 1 for s in groups.values()) / max(1, len(groups))
+
+
+REWARD_SKIP = ("score", "acc", "reward_error")
+
+
+def _numeric(value) -> bool:
+    """int, float or bool (a bool entry, e.g. `formatted`, is logged as a share)."""
+    return isinstance(value, (int, float))
+
+
+def reward_metrics(batch: Batch, prefix: str) -> dict:
+    """Means of what the reward fns returned: every extra numeric key overall (`{prefix}/{key}`, e.g.
+    reward/format), score, acc and every extra key per data source (`{prefix}/{data_source}/{key}`), and
+    the share of rows whose reward fn failed (raised, timed out: `{prefix}/error_rate`)."""
+    infos = list(batch["reward_info"]) if "reward_info" in batch else [{}] * len(batch)
+    rows = [{"score": float(s), **({"acc": float(batch["acc"][i])} if "acc" in batch else {}),
+             **{k: float(v) for k, v in (info or {}).items() if k not in REWARD_SKIP and _numeric(v)}}
+            for i, (s, info) in enumerate(zip(batch["scores"].tolist(), infos))]
+    sources = [str(ds) for ds in batch["data_source"]]
+    out = {f"{prefix}/error_rate": sum((info or {}).get("reward_error") is not None for info in infos) / max(1, len(infos))}
+    for key in sorted({k for r in rows for k in r}):
+        if key not in REWARD_SKIP:
+            out[f"{prefix}/{key}"] = _mean_of(rows, key)
+        for source in sorted(set(sources)):
+            out[f"{prefix}/{source}/{key}"] = _mean_of([r for r, s in zip(rows, sources) if s == source], key)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _mean_of(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def pass_at_n(acc: torch.Tensor, group_ids) -> float:
+    """Share of prompts (groups) with at least one right response (acc > 0.5)."""
+    groups: dict = {}
+    for group, right in zip(group_ids, acc.tolist()):
+        groups[group] = groups.get(group, False) or right > 0.5
+    return sum(groups.values()) / max(1, len(groups))
+
+
+def validation_metrics(batch: Batch, n: int) -> dict:
+    """val/score, val/acc (means over every response: mean@n), val/response_length, the reward fns' keys
+    overall and per data source (`val/<data_source>/acc`, ...); with n > 1 responses per prompt also
+    val/acc/mean@n and val/acc/pass@n, overall and per data source."""
+    out = {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
+           "val/response_length": float(batch["response_mask"].sum(-1).float().mean()),
+           **reward_metrics(batch, "val")}
+    if n > 1:
+        sources = [str(ds) for ds in batch["data_source"]]
+        out[f"val/acc/mean@{n}"] = out["val/acc"]
+        out[f"val/acc/pass@{n}"] = pass_at_n(batch["acc"], batch["uid"])
+        for source in sorted(set(sources)):
+            rows = [i for i, s in enumerate(sources) if s == source]
+            out[f"val/{source}/acc/mean@{n}"] = float(batch["acc"][rows].mean())
+            out[f"val/{source}/acc/pass@{n}"] = pass_at_n(batch["acc"][rows], [batch["uid"][i] for i in rows])
+    return out
+
+
+class ZeroVarianceWatch:
+    """Warns once when more than half of the prompt groups had no reward variance (every sample scored
+    the same: zero advantage under a group baseline) in each of `steps` steps in a row."""
+
+    def __init__(self, steps: int):
+        self.steps, self.run, self.warned = steps, 0, False
+
+    def update(self, metrics: dict) -> Optional[str]:
+        """The warning to print after this step's metrics, or None."""
+        share = metrics.get("rollout/zero_variance_groups")
+        if not self.steps or share is None or self.warned:
+            return None
+        self.run = self.run + 1 if share > 0.5 else 0
+        if self.run < self.steps:
+            return None
+        self.warned = True
+        score = metrics.get("reward/score/mean", float("nan"))
+        return (f"[megarl] WARNING: in each of the last {self.run} steps more than half of the prompt groups had the"
+                f" same reward for every sample (rollout/zero_variance_groups={share:.2f}, mean score {score:.3g}):"
+                " group estimators (grpo, rloo, ...) give those samples zero advantage, so most of the batch"
+                " teaches nothing. Pick prompts the policy sometimes solves (neither always right nor always"
+                " wrong), raise rollout.samples_per_prompt or rollout.temperature, or keep only groups with"
+                " signal (algorithm.dapo.filter_groups=true). This warning is shown once"
+                " (trainer.zero_variance_warn_steps sets the run length; 0 turns it off).")
 
 
 class MFUMeter:
@@ -155,16 +242,20 @@ def mean_metrics(updates: list[dict], prefix: str) -> dict:
 class RunLogger:
     """Console (+ progress bar), metrics.jsonl, TensorBoard, wandb, rollout dumps and the reward plot."""
 
-    def __init__(self, cfg, start_step: int = 0):
+    def __init__(self, cfg, start_step: int = 0, append_only: bool = False):
+        """append_only (trainer.val_only): keep every line already in metrics.jsonl and TensorBoard, no
+        progress bar; otherwise lines of steps after `start_step` (a killed run's) are dropped."""
         tr = cfg.trainer
         self.run_dir = Path(tr.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.loggers, self.every = set(tr.loggers), tr.log_every_steps
         self.jsonl = self.run_dir / "metrics.jsonl"
-        _truncate_after(self.jsonl, start_step)
-        self.tb = self._tensorboard(start_step) if "tensorboard" in self.loggers else None
+        if not append_only:
+            _truncate_after(self.jsonl, start_step)
+        purge = start_step if not append_only else 0
+        self.tb = self._tensorboard(purge) if "tensorboard" in self.loggers else None
         self.wandb = self._wandb(cfg) if "wandb" in self.loggers else None
-        self.bar = self._progress(tr, start_step)
+        self.bar = self._progress(tr, start_step) if not append_only else None
 
     def _tensorboard(self, start_step: int):
         from torch.utils.tensorboard import SummaryWriter

@@ -159,8 +159,8 @@ def check_resume(cfg) -> ResumePlan:
 
 def check_data_sources(cfg, data) -> None:
     """Every data_source of the prompts has a reward (reward.reward_fn, the built-in names and aliases,
-    or reward.data_source_rewards)."""
-    if cfg.reward.reward_fn is not None:
+    or reward.data_source_rewards; a reward.batch_reward_fn scores every source)."""
+    if cfg.reward.reward_fn is not None or cfg.reward.batch_reward_fn is not None:
         return  # validated by megarl.config.validate
     from megarl.rewards import get_reward_fn, list_rewards
     from megarl.rewards.registry import DATA_SOURCE_ALIASES

@@ -125,7 +125,7 @@ def _already_complete(cfg, plan) -> bool:
 
     tr = cfg.trainer
     exported = not tr.export_hf_at_end or (Path(tr.run_dir) / "hf" / MARKER).is_file()
-    if plan.step < tr.total_steps or not exported:
+    if tr.val_only or plan.step < tr.total_steps or not exported:
         return False
     print(f"[megarl] nothing to do: the run is complete at step {plan.step} = trainer.total_steps ({plan.directory});"
           " raise trainer.total_steps to train further", flush=True)

@@ -92,7 +92,7 @@ def test_bad_override_syntax_and_files(tmp_path):
 
 
 def test_save_resolved_round_trips(tmp_path):
-    cfg = load_config("configs/ppo_quickstart.yaml", ["actor.optim.lr=2e-5", "resources.pools={main: 2}"])
+    cfg = load_config("configs/ppo_quickstart.yaml", ["actor.optim.lr=2e-5", "actor.optim.min_lr=2e-6", "resources.pools={main: 2}"])
     path = save_resolved(cfg, tmp_path / "run")
     assert path.name == "config.yaml" and path.read_text().startswith("# megarl resolved config")
     again = load_config(path)

@@ -113,7 +113,7 @@ BAD = [
     # algorithm names and combinations
     (["algorithm.advantage.estimator=grpp"], r"algorithm\.advantage\.estimator: unknown advantage estimator 'grpp';"
                                              r" valid names: dr_grpo, gae, grpo"),
-    (["algorithm.policy_loss.name=ppo"], r"algorithm\.policy_loss\.name: unknown policy loss 'ppo'; valid names: cispo, gspo, ppo_clip"),
+    (["algorithm.policy_loss.name=ppo"], r"algorithm\.policy_loss\.name: unknown policy loss 'ppo'; valid names: cispo, decoupled_ppo, gspo, ppo_clip"),
     (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: unknown loss aggregation 'mean'"),
     (["algorithm.kl_loss.estimator=k9"], r"algorithm\.kl_loss\.estimator: unknown KL estimator 'k9'"),
     (["algorithm.advantage.estimator=gae"], r"estimator='gae' needs critic values but critic\.enabled is false; set critic\.enabled=true"),
@@ -122,18 +122,44 @@ BAD = [
     (["rollout.samples_per_prompt=1", "algorithm.advantage.estimator=rloo"], r"estimator='rloo' compares the samples"),
     (["algorithm.kl_loss.coef=0.1", "ref.enabled=false"], r"a KL term is on .* ref\.enabled=false"),
     (["reward.reward_fn=no_such_reward"], r"reward\.reward_fn: unknown reward 'no_such_reward'"),
-    (["algorithm.critic_warmup_steps=300"], r"algorithm\.critic_warmup_steps=300 must be in \[0, trainer\.total_steps=200\)"),
+    (["algorithm.critic_warmup_steps=300"], r"algorithm\.critic_warmup_steps=300 must be in \[0, trainer\.total_steps=100\)"),
     # files and lengths
     (["data.files=[nowhere/train.parquet]"], r"data\.files: 'nowhere/train\.parquet' does not exist"),
     (["model.hf_path=nowhere"], r"model\.hf_path='nowhere' has no config\.json"),
-    (["rollout.max_response_tokens=500"], r"96 \+ 500 = 596 must fit .* max_position_embeddings=256"),
+    (["rollout.max_response_tokens=500"], r"16 \+ 500 = 516 must fit .* max_position_embeddings=256"),
     (["trainer.loggers=[console, mlflow]"], r"trainer\.loggers=.*valid loggers are console, jsonl, tensorboard, wandb"),
     (["rollout.engine=sglang"], r"rollout\.engine='sglang'; pick one of auto, vllm, embedded"),
-    (["algorithm.dapo.overlong_buffer_len=16"], r"overlong_buffer_len=16 must be smaller than rollout\.max_response_tokens=16"),
+    (["algorithm.dapo.overlong_buffer_len=4"], r"overlong_buffer_len=4 must be smaller than rollout\.max_response_tokens=4"),
     (["algorithm.dapo.filter_groups=true", "rollout.samples_per_prompt=1", "actor.layout.tp=2"],
      r"filter_groups=true .* rollout\.samples_per_prompt=1 makes groups of one"),
     (["trainer.checkpoint_every_steps=-1"], r"trainer\.checkpoint_every_steps=-1 must be >= 0 \(0: off\)"),
+    (["reward.batch_reward_fn=no_such_judge"], r"reward\.batch_reward_fn: unknown batch reward 'no_such_judge'"),
+    # validation and evaluation
+    (["trainer.val_only=true", "validation.files=[]"], r"trainer\.val_only=true evaluates on validation\.files, which is"
+                                                       r" empty"),
+    (["validation.greedy=false", "validation.top_p=0"], r"validation\.top_p=0\.0 must be in \(0, 1\]"),
+    (["validation.temperature=-1"], r"validation\.temperature=-1\.0 must be >= 0"),
+    (["trainer.zero_variance_warn_steps=-1"], r"trainer\.zero_variance_warn_steps=-1 must be >= 0"),
 ]
+
+
+def test_every_estimator_that_reads_group_ids_refuses_groups_of_one(local):
+    """No silent zero-signal run: an estimator declaring `group_ids` (grpo, dr_grpo, rloo,
+    reinforce_plus_plus_baseline, ...) with one sample per prompt gives all-zero advantages."""
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS, estimator_needs
+
+    grouped = [name for name in ADVANTAGE_ESTIMATORS.names() if "group_ids" in estimator_needs(name)]
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"} <= set(grouped)
+    for name in grouped:
+        with pytest.raises(ConfigError, match=rf"estimator='{name}' compares the samples of each prompt, but"
+                                              r" rollout\.samples_per_prompt=1 .* set rollout\.samples_per_prompt >= 2"):
+            validate(_cfg(local, f"algorithm.advantage.estimator={name}", "rollout.samples_per_prompt=1"))
+        validate(_cfg(local, f"algorithm.advantage.estimator={name}", "rollout.samples_per_prompt=2"))
+
+
+def test_reward_fn_and_batch_reward_fn_together_are_refused(local):
+    with pytest.raises(ConfigError, match=r"set reward_fn \('arithmetic'\) or batch_reward_fn"):
+        validate(_cfg(local, "reward.reward_fn=arithmetic", "reward.batch_reward_fn=some.module:judge"))
 
 
 def test_estimator_needs_are_checked_without_running_the_estimator(local, tmp_path):

@@ -31,3 +31,16 @@ def dies_on_crash(solution_str, ground_truth, extra):
 
 def returns_garbage(solution_str, ground_truth, extra):
     return "not a score"
+
+
+def judge_batch(solution_strs, ground_truths, extras):
+    """A batch-level reward (like a judge model): sees every sample at once, returns extra keys."""
+    if "boom" in solution_strs:
+        raise ConnectionError("judge service unreachable")
+    size = len(solution_strs)
+    return [{"score": float(s == g), "batch_size": size, "source_seen": extra["data_source"] == "math"}
+            for s, g, extra in zip(solution_strs, ground_truths, extras)]
+
+
+def judge_batch_short(solution_strs, ground_truths, extras):
+    return [1.0] * (len(solution_strs) - 1)

@@ -113,3 +113,35 @@ def test_config_rejects_bad_values_naming_the_field():
         RewardConfig(num_workers=-1)
     with pytest.raises(ValueError, match="RewardConfig.timeout_s"):
         RewardConfig(timeout_s=0)
+
+
+def test_batch_reward_fn_scores_the_whole_call_at_once_and_keeps_its_extra_keys():
+    config = RewardConfig(batch_reward_fn=f"{HELPERS}:judge_batch", num_workers=0)
+    out = RewardRunner(config).score(["7", "8", "9"], ["7", "7", "9"], ["math", "math", "code"], [{"id": 1}, {}, {}])
+    assert [r["score"] for r in out] == [1.0, 0.0, 1.0] and [r["batch_size"] for r in out] == [3, 3, 3]
+    assert [r["source_seen"] for r in out] == [True, True, False] and all(r["reward_error"] is None for r in out)
+
+
+def test_batch_reward_fn_that_raises_fails_its_samples_not_the_run_and_a_wrong_length_is_an_error():
+    failing = RewardRunner(RewardConfig(batch_reward_fn=f"{HELPERS}:judge_batch", failure_score=-1.0))
+    out = failing.score(["boom", "x"], ["x", "x"], ["math", "math"])
+    assert [r["score"] for r in out] == [-1.0, -1.0]
+    assert "ConnectionError: judge service unreachable" in out[0]["reward_error"]
+    short = RewardRunner(RewardConfig(batch_reward_fn=f"{HELPERS}:judge_batch_short"))
+    with pytest.raises(ValueError, match=r"judge_batch_short' returned 1 results for 2 samples; it must return one"):
+        short.score(["a", "b"], ["a", "b"], ["math", "math"])
+
+
+def test_batch_reward_fns_register_by_name_and_check_their_signature():
+    from megarl.rewards import get_batch_reward_fn, register_batch_reward
+
+    @register_batch_reward("test_all_ones")
+    def all_ones(solution_strs, ground_truths, extras):
+        return [1.0] * len(solution_strs)
+
+    assert get_batch_reward_fn("test_all_ones") is all_ones
+    assert RewardRunner(RewardConfig(batch_reward_fn="test_all_ones")).score(["a"], ["b"])[0]["score"] == 1.0
+    with pytest.raises(TypeError, match=r"batch reward 'per_sample' must accept \(solution_strs, ground_truths, extras\)"):
+        register_batch_reward("per_sample")(lambda solution_str, ground_truth: 0.0)
+    with pytest.raises(ValueError, match="set reward_fn .* or batch_reward_fn"):
+        RewardConfig(reward_fn="arithmetic", batch_reward_fn="test_all_ones")

@@ -107,3 +107,67 @@ def test_step_metrics_and_driver_overhead_share():
     timer.seconds = {"generate": 0.0, "reward": 0.0}
     t = timing_metrics(timer, batch)
     assert 0.99 <= t["time/driver_overhead_share"] <= 1.0 and t["perf/tokens_per_s"] > 0
+
+
+def scored(scores, acc, sources, uids, infos=None):
+    """A scored batch as `RLTrainer.score` leaves it (response mask of one token per row)."""
+    n = len(scores)
+    return Batch.from_dict({"scores": torch.tensor(scores), "acc": torch.tensor(acc),
+                            "response_mask": torch.ones(n, 1)},
+                           {"data_source": sources, "uid": uids, "reward_info": infos or [{}] * n})
+
+
+def test_every_key_a_reward_fn_returns_is_logged_overall_and_per_data_source():
+    batch = scored([1.0, 0.0, 0.5, 0.0], [1.0, 0.0, 1.0, 0.0], ["math", "math", "code", "code"], list("abcd"),
+                   [{"format": 1.0, "reward_error": None}, {"format": 0.0, "reward_error": "boom"},
+                    {"format": True, "tests_passed": 3, "note": "text"}, {"format": False, "tests_passed": 1}])
+    m = batch_metrics(Batch.from_dict({**batch.tensors, "response_mask": torch.ones(4, 1)},
+                                      {**batch.non_tensors, "finish_reason": np.array(["stop"] * 4)}))
+    assert m["reward/format"] == 0.5 and m["reward/tests_passed"] == 2.0 and "reward/note" not in m
+    assert m["reward/math/score"] == 0.5 and m["reward/code/score"] == 0.25
+    assert m["reward/math/acc"] == 0.5 and m["reward/code/acc"] == 0.5
+    assert m["reward/math/format"] == 0.5 and m["reward/code/format"] == 0.5 and m["reward/code/tests_passed"] == 2.0
+    assert "reward/math/tests_passed" not in m and "reward/reward_error" not in m  # only rows that returned it
+    assert m["reward/error_rate"] == 0.25  # one row's reward fn failed
+
+
+def test_validation_reports_mean_and_pass_at_n_overall_and_per_data_source():
+    from megarl.trainer.metrics import validation_metrics
+
+    # two prompts of math (one solved once in 2 samples, one never), one of code (solved twice)
+    batch = scored([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0],
+                   ["math"] * 4 + ["code"] * 2, ["p0", "p0", "p1", "p1", "p2", "p2"])
+    m = validation_metrics(batch, n=2)
+    assert m["val/acc"] == m["val/acc/mean@2"] == pytest.approx(0.5) and m["val/acc/pass@2"] == pytest.approx(2 / 3)
+    assert m["val/math/acc"] == 0.25 and m["val/math/acc/pass@2"] == 0.5 and m["val/code/acc/pass@2"] == 1.0
+    assert m["val/code/score"] == 1.0 and m["val/response_length"] == 1.0
+    one = validation_metrics(scored([1.0, 0.0], [1.0, 0.0], ["math"] * 2, ["p0", "p1"]), n=1)
+    assert one["val/acc"] == 0.5 and not any("@" in k for k in one)
+
+
+def test_validation_sampling_is_its_own_greedy_or_sampled_with_fallbacks_to_the_rollout():
+    from types import SimpleNamespace
+
+    from megarl.config.schema import ValidationConfig
+    from megarl.trainer.loop import validation_sampling
+
+    train = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_tokens=4, n=8)
+    greedy = validation_sampling(SimpleNamespace(validation=ValidationConfig(samples_per_prompt=2)), train)
+    assert (greedy.temperature, greedy.top_p, greedy.top_k, greedy.n, greedy.max_tokens) == (0.0, 1.0, 0, 2, 4)
+    own = ValidationConfig(greedy=False, temperature=0.6, samples_per_prompt=4)
+    sampled = validation_sampling(SimpleNamespace(validation=own), train)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.n) == (0.6, 0.9, 5, 4)
+
+
+def test_zero_variance_warning_comes_once_after_n_steps_in_a_row_with_most_groups_flat():
+    from megarl.trainer.metrics import ZeroVarianceWatch
+
+    watch = ZeroVarianceWatch(steps=3)
+    shares = [0.9, 0.9, 0.2, 0.6, 0.75, 1.0, 1.0, 1.0]  # the 0.2 breaks the first run
+    said = [watch.update({"rollout/zero_variance_groups": s, "reward/score/mean": 0.97}) for s in shares]
+    assert [i for i, w in enumerate(said) if w] == [5]
+    assert "more than half of the prompt groups" in said[5] and "rollout/zero_variance_groups=1.00" in said[5]
+    assert "rollout.samples_per_prompt" in said[5] and "trainer.zero_variance_warn_steps" in said[5]
+    off = ZeroVarianceWatch(steps=0)
+    assert not any(off.update({"rollout/zero_variance_groups": 1.0}) for _ in range(20))
+    assert ZeroVarianceWatch(steps=1).update({}) is None  # no groups (no uid column): nothing to say

@@ -5,9 +5,13 @@ engines) and its greedy validation accuracy must rise far beyond what a broken t
 The flaw: single-digit sums ("3+4=" → "7"; 25 problems) warmed up on a teacher that answers one too
 high 70% of the time. The warm-up policy knows the sums but greedily answers sum + 1 (accuracy ~0.2),
 while about a third of its samples are right: GRPO on the exact-answer reward removes the habit in a
-few steps (accuracy ~0.9 after 10). The answer is a single token, so a trainer that does not put the
-policy gradient on that token learns nothing. Checked by hand once (see the quickstart notes): the
-test fails with the advantage sign flipped, the response mask shifted by one token, or lr=0.
+few steps (accuracy ~0.9 after 10). The response is the answer alone (one token: max_response_tokens=1,
+no end-of-turn token), so a trainer that does not put the policy gradient on exactly that token learns
+nothing. With room for the end-of-turn token (max_response_tokens=3) a response mask shifted by one
+still learnt (0.2 -> 0.75 in 20 steps, the gradient on the end-of-turn token after the answer reaches
+the answer indirectly), so the test would not have noticed that bug. Checked by hand (mutations not
+shipped): the test fails with the advantage sign flipped, the response mask shifted by one token in
+the actor loss, or lr=0.
 
 Two variants, ~45 s each on 2 cores: the embedded rollout engine, and vLLM's CPU build.
 """
@@ -61,7 +65,7 @@ def test_warmup_leaves_the_teachers_habit(habit_task):
 def learning_run(task: dict, run_dir, engine: str) -> list[dict]:
     args = [f"model.hf_path={task['model']}", f"data.files=[{task['train']}]", f"validation.files=[{task['test']}]",
             f"rollout.engine={engine}", f"trainer.run_dir={run_dir}", "trainer.total_steps=20",
-            "trainer.prompts_per_step=16", "rollout.samples_per_prompt=8", "rollout.max_response_tokens=3",
+            "trainer.prompts_per_step=16", "rollout.samples_per_prompt=8", "rollout.max_response_tokens=1",
             "data.max_prompt_tokens=8", "validation.every_steps=10", "trainer.export_hf_at_end=false",
             "trainer.dump_rollouts_every_steps=0", "trainer.progress_bar=false"]
     code, out, seconds = run_train("grpo_quickstart.yaml", args)

@@ -8,7 +8,7 @@ import json
 import torch
 
 from megarl.trainer.metrics import read_metrics
-from train_helpers import overrides, run_train
+from train_helpers import HERE, overrides, run_train
 
 
 def test_remax_generates_greedy_baselines_and_trains_on_score_minus_baseline(tiny_task, tmp_path):
@@ -32,3 +32,43 @@ def test_remax_generates_greedy_baselines_and_trains_on_score_minus_baseline(tin
         for record in records:
             by_prompt.setdefault(record["uid"], set()).add(record["baseline_score"])
         assert all(len(b) == 1 for b in by_prompt.values())  # one greedy baseline per prompt
+
+
+def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_the_checkpoint(tiny_task, tmp_path):
+    """A batch-level reward fn (judge_reward.judge, 2 s per call) runs on the reward thread while the
+    log-prob phase runs; its extra keys are logged overall and per data source; validation samples on its
+    own (temperature 0.7, n=2: mean@2 / pass@2); then trainer.val_only=true evaluates the final checkpoint
+    without training and appends that validation to metrics.jsonl."""
+    from judge_reward import JUDGE_SECONDS
+
+    run, log = tmp_path / "judge", tmp_path / "judge.log"
+    args = overrides(tiny_task, run, "rollout.engine=embedded", f"reward.batch_reward_fn={HERE / 'judge_reward.py'}:judge",
+                     "reward.num_workers=0", "trainer.total_steps=2", "trainer.checkpoint_every_steps=0",
+                     "trainer.export_hf_at_end=false", "validation.before_train=false", "validation.every_steps=0",
+                     "validation.greedy=false", "validation.temperature=0.7", "validation.samples_per_prompt=2",
+                     "trainer.dump_rollouts_every_steps=0")
+    code, out, seconds = run_train("grpo_quickstart.yaml", args, env={"MEGARL_TEST_JUDGE_LOG": str(log)})
+    assert code == 0, out[-4000:]
+    print(f"batch-reward run (embedded engine): {seconds:.0f} s")
+    rows = read_metrics(run / "metrics.jsonl")
+    steps = [r for r in rows if "reward/score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["reward/error_rate"] == 0.0, r  # the judge ran, no sample fell back to failure_score
+        assert r["reward/judged"] == 1.0 and r["reward/arithmetic/judged"] == 1.0 and 0 <= r["reward/format"] <= 1
+        assert r["reward/arithmetic/score"] == r["reward/score/mean"]
+        # the wait left after the log-probs ran: less than the judge's time by most of the log-prob phase
+        assert r["time/reward"] < JUDGE_SECONDS - 0.5 * r["time/old_log_probs"], r
+    val = rows[-1]
+    assert val["step"] == 2 and 0 <= val["val/acc/mean@2"] <= val["val/acc/pass@2"] <= 1
+    assert val["val/arithmetic/acc"] == val["val/acc"] and val["val/arithmetic/judged"] == 1.0
+    calls = log.read_text().split()
+    assert calls[0::2] == ["megarl-reward_0", "megarl-reward_0", "MainThread"] and calls[1::2] == ["16", "16", "16"]
+
+    code, out, _ = run_train("grpo_quickstart.yaml", [*args, "trainer.val_only=true", "validation.greedy=true",
+                                                      "validation.samples_per_prompt=1"])
+    assert code == 0, out[-4000:]
+    after = read_metrics(run / "metrics.jsonl")
+    assert after[:len(rows)] == rows and len(after) == len(rows) + 1  # appended, nothing trained or dropped
+    assert after[-1]["step"] == 2 and "val/acc" in after[-1] and not any("reward/score/mean" in r for r in after[-1:])
+    assert "resumed from" in out
