@@ -162,20 +162,51 @@ def phase_times(cfg: RunConfig, dims: ModelDims, derived, roles, vllm: VLLMMemor
     forward = 2 * n_active * samples * seq + attention
     speed = gpu.bf16_flops * a.mfu
     times = {"generate": generation_time(cfg, dims, derived, vllm, gpu, a)}
+    tokens = samples * seq
     for role in derived.roles:
-        world = derived.role_world[role]
-        times[f"{role} forward"] = forward / (world * speed)
+        world, role_cfg = derived.role_world[role], getattr(cfg, role)
+        activation_comm = _activation_comm_time(cfg, dims, role_cfg.layout, derived.role_dp[role], tokens, gpu)
+        times[f"{role} forward"] = forward / (world * speed) + activation_comm
         if role in TRAINABLE_ROLES:
-            lay = getattr(cfg, role).layout
-            factor = 4 if getattr(cfg, role).recompute else 3
+            lay = role_cfg.layout
+            factor = 4 if role_cfg.recompute else 3
             bubble = 1 + (lay.pp - 1) / (lay.vpp * max(1, derived.updates_per_step[role]) * 4)
-            epochs = getattr(cfg, role).epochs_per_step
-            times[f"{role} update"] = epochs * factor * forward * bubble / (world * speed)
+            dp_comm = derived.updates_per_step[role] * _dp_comm_time(cfg, roles[role], derived.role_dp[role],
+                                                                     world, gpu)
+            times[f"{role} update"] = role_cfg.epochs_per_step * (factor * (forward * bubble / (world * speed)
+                                                                            + activation_comm)) + dp_comm
         if getattr(cfg, role).offload:
             calls = 2 if role in TRAINABLE_ROLES else 1
             times[f"{role} offload"] = calls * 2 * roles[role].static / a.host_bandwidth
     times["weight sync"] = sync_time(cfg, dims, gpu)
     return times
+
+
+def _bandwidth(cfg: RunConfig, ranks: int, gpu: GPUSpec) -> float:
+    """NVLink when a group of `ranks` consecutive GPUs stays inside a node, else the network."""
+    return gpu.nvlink_bandwidth if ranks <= cfg.resources.gpus_per_node else gpu.network_bandwidth
+
+
+def _activation_comm_time(cfg: RunConfig, dims: ModelDims, layout, dp: int, tokens: float, gpu: GPUSpec) -> float:
+    """One forward's TP collectives (4 per layer: sequence-parallel all-gathers / reduce-scatters of the
+    hidden states) and MoE token dispatch + combine (all-to-all over EP), on one GPU."""
+    per_rank = tokens / (dp * layout.cp)
+    layers = dims.num_layers / layout.pp
+    h = dims.hidden_size
+    tp = 4 * layers * per_rank * h * 2 * (layout.tp - 1) / layout.tp / _bandwidth(cfg, layout.tp, gpu)
+    ep = 0.0
+    if dims.moe and layout.ep > 1:
+        ep_bytes = 2 * layers * per_rank / layout.tp * dims.moe.topk * h * 2 * (layout.ep - 1) / layout.ep
+        ep = ep_bytes / _bandwidth(cfg, layout.tp * layout.ep, gpu)
+    return tp + ep
+
+
+def _dp_comm_time(cfg: RunConfig, memory: RoleMemory, dp: int, world: int, gpu: GPUSpec) -> float:
+    """One optimizer step's gradient reduce-scatter (fp32) and parameter all-gather over DP."""
+    if dp == 1:
+        return 0.0
+    params = memory.grads / 4
+    return params * (4 + 2) * (dp - 1) / dp / _bandwidth(cfg, world, gpu)
 
 
 def generation_time(cfg: RunConfig, dims: ModelDims, derived, vllm: VLLMMemory, gpu: GPUSpec,

@@ -87,4 +87,6 @@ def search(cfg: RunConfig, dims: ModelDims, gpu: GPUSpec, assumptions: Assumptio
         except ConfigError:  # derive: GPUs or batch sizes do not divide for this layout
             continue
         found.append(Candidate(tp, pp, ep, rtp, recompute, plan, candidate_cfg))
-    return sorted(found, key=lambda c: (not c.plan.fits, c.plan.step_time if c.plan.fits else -c.plan.margin))
+    # fitting: fastest first (times within 0.1 s: the larger margin first); the rest: closest to fitting
+    return sorted(found, key=lambda c: (not c.plan.fits, round(c.plan.step_time, 1) if c.plan.fits else 0,
+                                        -c.plan.margin))

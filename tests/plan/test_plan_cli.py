@@ -38,7 +38,8 @@ def test_plan_json_and_hardware_overrides(capsys):
     assert h100["fits"] and set(h100["phases"]["main"]) >= {"generate", "actor update", "weight sync"}
     assert main(args + ["--tflops", "494.5"]) == 0
     slow = json.loads(capsys.readouterr().out)
-    assert slow["times"]["actor update"] == pytest.approx(2 * h100["times"]["actor update"])
+    ratio = slow["times"]["actor update"] / h100["times"]["actor update"]
+    assert 1.5 < ratio < 2  # the FLOPs take twice as long; the collectives do not
 
 
 def test_plan_by_hf_config_and_bad_input(capsys, tmp_path):
@@ -61,8 +62,8 @@ def test_search_ranks_only_layouts_config_validation_accepts():
         assert 16 % (c.tp * c.pp) == 0 and (16 // (c.tp * c.pp)) % c.ep == 0  # ep | dp on the 16-GPU pool
     fits = [c for c in found if c.plan.fits]
     assert fits and found[:len(fits)] == fits  # fitting layouts first
-    times = [c.plan.step_time for c in fits]
-    assert times == sorted(times)
+    times = [round(c.plan.step_time, 1) for c in fits]
+    assert times == sorted(times)  # ties (within 0.1 s) go to the larger margin
     assert {c.ep for c in found} >= {1, 2, 4, 8, 16}
 
 
@@ -75,7 +76,7 @@ def test_search_cli_table_and_json(capsys):
     assert main(base + ["--json", "--gpus", "16"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and all(r["fits"] for r in rows)
-    assert rows[0]["step_time"] <= rows[1]["step_time"] <= rows[2]["step_time"]
+    assert round(rows[0]["step_time"], 1) <= round(rows[1]["step_time"], 1) <= round(rows[2]["step_time"], 1)
 
 
 def test_validate_only_prints_predicted_memory_and_warns_without_failing(capsys):
