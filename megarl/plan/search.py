@@ -11,6 +11,7 @@ Imports megarl.config and megarl.plan; never megatron, vLLM or Ray.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -48,15 +49,14 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def apply_layout(cfg: RunConfig, tp: int, pp: int, ep: int, rollout_tp: int, recompute: bool) -> RunConfig:
     """A copy of `cfg` whose actor-pool roles use tp/pp/ep (cp, vpp 1), rollout.tp and recompute."""
-    out = copy.deepcopy(cfg)
+    out = copy.copy(cfg)  # sections this function changes are replaced, never mutated
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
     for role in active_roles(cfg):
-        role_cfg = getattr(out, role)
-        if role_cfg.pool != cfg.actor.pool:
-            continue
-        role_cfg.layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
-        if role in TRAINABLE_ROLES:
-            role_cfg.recompute = recompute
-    out.rollout.tp = rollout_tp
+        role_cfg = getattr(cfg, role)
+        if role_cfg.pool == cfg.actor.pool:
+            extra = {"recompute": recompute} if role in TRAINABLE_ROLES else {}
+            setattr(out, role, dataclasses.replace(role_cfg, layout=layout, **extra))
+    out.rollout = dataclasses.replace(cfg.rollout, tp=rollout_tp)
     return out
 
 

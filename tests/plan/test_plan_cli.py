@@ -98,9 +98,9 @@ def test_validate_only_skips_the_plan_for_unknown_cluster_models(capsys):
 
 
 def test_resolve_dims_reads_local_checkpoints(tmp_path):
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import tiny_hf_config
 
-    save_tiny_hf_model("qwen2", tmp_path / "m")
+    tiny_hf_config("qwen2").save_pretrained(tmp_path / "m")
     dims = resolve_dims(str(tmp_path / "m"))
     assert dims.hidden_size == 64 and dims.num_layers == 2
     with pytest.raises(ValueError, match="preset"):
