@@ -152,19 +152,20 @@ def _print_memory_plan(cfg) -> None:
 
 
 def _plan_config(args):
-    from megarl.config import RunConfig, load_config
+    from megarl.config import load_config
 
-    cfg = load_config(args.config, args.overrides) if args.config else load_config((), args.overrides)
+    cfg = load_config(args.config or (), args.overrides)
     if args.hf_config:
         cfg.model.hf_path = args.hf_config
-    if not isinstance(cfg, RunConfig) or not cfg.model.hf_path:
+    if not cfg.model.hf_path:
         raise ValueError("megarl plan needs a model: --config RUN.yaml (model.hf_path) or --hf-config")
     if args.gpus:
         res = cfg.resources
         if res.pools:
             raise ValueError("--gpus resizes the one default pool; this config sets resources.pools: edit those instead")
-        res.nodes, res.gpus_per_node = (args.gpus // res.gpus_per_node, res.gpus_per_node) \
-            if args.gpus >= res.gpus_per_node and args.gpus % res.gpus_per_node == 0 else (1, args.gpus)
+        if args.gpus > res.gpus_per_node and args.gpus % res.gpus_per_node:
+            raise ValueError(f"--gpus={args.gpus} is not a multiple of resources.gpus_per_node={res.gpus_per_node}")
+        res.nodes, res.gpus_per_node = max(1, args.gpus // res.gpus_per_node), min(args.gpus, res.gpus_per_node)
     return cfg
 
 

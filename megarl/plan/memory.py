@@ -42,13 +42,19 @@ class Shard:
     """How one role's model is split over its GPUs."""
 
     tp: int = 1
+    """Tensor-parallel size (attention heads, MLP columns, vocabulary split)."""
     pp: int = 1
+    """Pipeline stages (the largest stage holds ceil(layers / pp) layers)."""
     vpp: int = 1
+    """Virtual stages per pipeline rank."""
     cp: int = 1
+    """Context-parallel size (each rank holds tokens / cp of a micro-batch)."""
     ep: int = 1
+    """Expert-parallel size (routed experts split ep ways)."""
     etp: int = 1
     """Expert tensor-parallel size (megarl: = tp; Megatron-LM also allows 1)."""
     dp: int = 1
+    """Data-parallel size of the dense parameters (the optimizer is sharded over dp * cp)."""
     edp: int = 1
     """Expert data-parallel size (etp·ep·edp = tp·cp·dp)."""
 
@@ -65,8 +71,11 @@ class RoleMemory:
     """Bytes on one GPU of a role: persistent state and the peak working set of its heaviest call."""
 
     weights: int
+    """Parameters in the role's dtype."""
     grads: int
+    """fp32 gradient buffer (trainable roles)."""
     optimizer: int
+    """This rank's shard of the distributed optimizer's state (trainable roles)."""
     activations: int
     """Peak activations of the role's heaviest call (update for trainable roles, else forward)."""
     logits: int

@@ -57,6 +57,8 @@ class Plan:
     """Phase -> seconds per RL step."""
     sequences_needed: int
     """Sequences one engine is sent per step (its share of samples_per_step)."""
+    role_dp: dict[str, int] = field(default_factory=dict)
+    """Data-parallel size of each role (from `derive`)."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -246,7 +248,8 @@ def plan_run(cfg: RunConfig, dims: ModelDims, gpu: GPUSpec, assumptions: Assumpt
                        resolve_max_model_len(cfg))
     plan = Plan(gpu=gpu, layouts=layouts, roles=roles, vllm=vllm, phases=pool_phases(cfg, derived, roles, vllm),
                 times=phase_times(cfg, dims, derived, roles, vllm, gpu, assumptions),
-                sequences_needed=math.ceil(derived.samples_per_step / derived.rollout_engines))
+                sequences_needed=math.ceil(derived.samples_per_step / derived.rollout_engines),
+                role_dp=dict(derived.role_dp))
     plan.warnings = _warnings(cfg, plan)
     return plan
 

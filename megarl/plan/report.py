@@ -45,7 +45,7 @@ def plan_json(plan: Plan) -> dict:
     """The plan as plain JSON types (bytes as integers, seconds as floats)."""
     return {"gpu": vars(plan.gpu), "layouts": plan.layouts,
             "roles": {r: {**vars(m), "static": m.static, "peak": m.peak} for r, m in plan.roles.items()},
-            "vllm": vars(plan.vllm), "sequences_needed": plan.sequences_needed, "phases": plan.phases,
+            "role_dp": plan.role_dp, "vllm": vars(plan.vllm), "sequences_needed": plan.sequences_needed, "phases": plan.phases,
             "peak": plan.peak, "margin": plan.margin, "fits": plan.fits, "times": plan.times,
             "step_time": plan.step_time, "warnings": plan.warnings}
 

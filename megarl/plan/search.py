@@ -39,7 +39,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return (f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.plan.layouts['actor'].split('dp')[1].split()[0]}"
+        return (f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.plan.role_dp['actor']}"
                 f" | rollout tp{self.rollout_tp}" + (" | recompute" if self.recompute else ""))
 
 

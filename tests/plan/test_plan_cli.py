@@ -113,3 +113,11 @@ def test_plan_refuses_sizes_config_validation_refuses():
         plan_run(cfg, PRESETS["meta-llama-3-70b-instruct"], gpu_spec("H100"))
     with pytest.raises(ConfigError):
         validate(cfg, check_paths=False)
+
+
+def test_gpus_resizes_the_pool(capsys):
+    base = ["plan", "--config", str(CONFIGS / "llama3-70b_ppo.yaml"), "--json"]
+    assert main(base + ["--gpus", "128"]) == 0
+    assert json.loads(capsys.readouterr().out)["role_dp"]["actor"] == 4  # tp8 pp4 on 128 GPUs
+    assert main(base + ["--gpus", "12"]) == 2
+    assert "not a multiple of resources.gpus_per_node=8" in capsys.readouterr().err
