@@ -1,4 +1,4 @@
-"""The `megarl` command: `train`, `convert`, `check-parity`, `config` (and, as it lands, `eval`).
+"""The `megarl` command: `train`, `convert`, `check-parity`, `config`, `plan` (and, as it lands, `eval`).
 
 Owns: argument parsing and turning the library's validation errors into one clear line and a
 non-zero exit code (no traceback for bad input). The work itself lives in the library.
@@ -65,6 +65,22 @@ def _config_parser(sub) -> None:
                         help="skip checks that read local files (HF config.json, data): paths that exist only on the cluster")
 
 
+def _plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="predict memory per role/GPU and time per phase of a layout; --search ranks layouts")
+    plan.add_argument("--config", help="YAML file of overrides (configs/*.yaml); default: the built-in defaults")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.layout.tp=4 rollout.tp=2")
+    plan.add_argument("--hf-config", help="model: HF directory / config.json, or a preset name (default: model.hf_path)")
+    plan.add_argument("--gpu", default="H100", help="hardware table entry: H100, H200, A100, B200")
+    for name, unit in (("hbm-gb", "GB"), ("tflops", "TFLOP/s bf16"), ("hbm-tbps", "TB/s"), ("nvlink-gbps", "GB/s"),
+                       ("network-gbps", "GB/s per GPU")):
+        plan.add_argument(f"--{name}", type=float, help=f"override the table's value ({unit})")
+    plan.add_argument("--mfu", type=float, default=0.35, help="Megatron MFU (benchmarks/train_step.py measures it)")
+    plan.add_argument("--search", action="store_true", help="rank every valid layout for the GPU count")
+    plan.add_argument("--gpus", type=int, help="--search: total GPUs (default resources.nodes * gpus_per_node)")
+    plan.add_argument("--top", type=int, default=10, help="--search: rows shown")
+    plan.add_argument("--json", action="store_true", help="JSON instead of the table")
+
+
 def _train_parser(sub) -> None:
     train = sub.add_parser("train", help="run PPO / GRPO training (config validated before any worker starts)")
     train.add_argument("--config", required=True, help="YAML file of overrides (configs/*.yaml)")
@@ -78,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _convert_parser(sub)
     _parity_parser(sub)
     _config_parser(sub)
+    _plan_parser(sub)
     return parser
 
 
@@ -116,6 +133,64 @@ def _run_config(args) -> int:
         print(dump_yaml(cfg, comments=args.explain), end="")
     derived = validate(cfg, check_paths=not args.no_check_paths)
     print(f"# ok: {describe(derived)}")
+    if args.validate_only and cfg.resources.accelerator == "gpu":
+        _print_memory_plan(cfg)
+    return 0
+
+
+def _print_memory_plan(cfg) -> None:
+    """Predicted peak memory per role (H100 table); a warning, never an error, when it does not fit."""
+    from megarl.plan import gpu_spec, plan_run, resolve_dims
+    from megarl.plan.report import memory_summary
+
+    try:
+        dims = resolve_dims(cfg.model.hf_path)
+    except ValueError as err:
+        print(f"# plan: skipped ({err})")
+        return
+    print("\n".join(memory_summary(plan_run(cfg, dims, gpu_spec("H100")))))
+
+
+def _plan_config(args):
+    from megarl.config import load_config
+
+    cfg = load_config(args.config or (), args.overrides)
+    if args.hf_config:
+        cfg.model.hf_path = args.hf_config
+    if not cfg.model.hf_path:
+        raise ValueError("megarl plan needs a model: --config RUN.yaml (model.hf_path) or --hf-config")
+    if args.gpus:
+        res = cfg.resources
+        if res.pools:
+            raise ValueError("--gpus resizes the one default pool; this config sets resources.pools: edit those instead")
+        if args.gpus > res.gpus_per_node and args.gpus % res.gpus_per_node:
+            raise ValueError(f"--gpus={args.gpus} is not a multiple of resources.gpus_per_node={res.gpus_per_node}")
+        res.nodes, res.gpus_per_node = max(1, args.gpus // res.gpus_per_node), min(args.gpus, res.gpus_per_node)
+    return cfg
+
+
+def _run_plan(args) -> int:
+    import json
+
+    from megarl.plan import Assumptions, gpu_spec, plan_run, resolve_dims
+    from megarl.plan import report
+    from megarl.plan.search import search
+
+    cfg = _plan_config(args)
+    gpu = gpu_spec(args.gpu, hbm_gb=args.hbm_gb, tflops=args.tflops, hbm_tbps=args.hbm_tbps,
+                   nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu={args.mfu} must be in (0, 1]")
+    dims, assumptions = resolve_dims(cfg.model.hf_path), Assumptions(mfu=args.mfu)
+    if args.search:
+        found = search(cfg, dims, gpu, assumptions)
+        if not found:
+            raise ValueError("no valid layout for these GPUs and batch sizes (see `megarl config --validate-only`)")
+        print(json.dumps(report.search_json(found, args.top), indent=1) if args.json else
+              report.format_search(found, args.top))
+        return 0
+    plan = plan_run(cfg, dims, gpu, assumptions)
+    print(json.dumps(report.plan_json(plan), indent=1) if args.json else report.format_plan(plan))
     return 0
 
 
@@ -144,7 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config}
+    handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config,
+                "plan": _run_plan}
     # Ctrl-C works even where SIGINT was inherited ignored (`cmd &` in a script); `train` stops
     # gracefully on the first SIGINT/SIGTERM and at once on a second one
     with GracefulStop() if args.command == "train" else SigintRearmed():

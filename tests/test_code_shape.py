@@ -17,6 +17,7 @@ LAYERS = (
     ("data", "algorithms"),
     ("engine", "rollout", "agent"),
     ("config",),
+    ("plan",),
     ("workers",),
     ("controller",),
     ("trainer",),

@@ -468,12 +468,19 @@ def _check_models(cfg: RunConfig, derived: Derived) -> None:
                 dims_by_path[path] = describe_hf_config(load_hf_config(path))
             except (ValueError, FileNotFoundError) as err:
                 raise ConfigError(f"{role} model {path}: {err}") from None
-        dims = dims_by_path[path]
+    check_layouts_fit(cfg, {role: dims_by_path[_role_model_path(cfg, role)] for role in derived.roles},
+                      dims_by_path[cfg.model.hf_path])
+
+
+def check_layouts_fit(cfg: RunConfig, role_dims: dict, policy_dims) -> None:
+    """Each role's layout against its model's `ModelDims` and the rollout TP against the policy's
+    (the divisibility rules `megarl plan --search` enumerates with); `ConfigError` naming the field."""
+    for role, dims in role_dims.items():
         try:
             getattr(cfg, role).layout.check_dims(dims)
         except LayoutError as err:
-            raise ConfigError(f"{role}.layout does not fit {path}: {err}") from None
-    _check_rollout_model(cfg, dims_by_path[cfg.model.hf_path])
+            raise ConfigError(f"{role}.layout does not fit {_role_model_path(cfg, role)}: {err}") from None
+    _check_rollout_model(cfg, policy_dims)
 
 
 def _check_rollout_model(cfg: RunConfig, dims) -> None:
@@ -504,5 +511,5 @@ def describe(derived: Derived) -> str:
             f"{derived.rollout_engines} rollout engine(s)")
 
 
-__all__ = ["Derived", "active_roles", "derive", "describe", "kl_enabled",
+__all__ = ["Derived", "active_roles", "check_layouts_fit", "derive", "describe", "kl_enabled",
            "pool_sizes", "resolve_max_model_len", "validate"]
