@@ -179,7 +179,9 @@ class _AsyncRun:
                 raise RuntimeError("the asynchronous schedule stalled (no event left): a bug in the model")
             t, _, kind, data = heapq.heappop(self.events)
             if kind == "engine":
-                self.on_engine(t, *data)
+                if not self.on_engine(t, *data):
+                    self.admit(t)  # no group finished: the trainer's choice is the same as before
+                    continue
             elif kind == "trained":
                 self.on_trained(t)
             else:
@@ -192,18 +194,20 @@ class _AsyncRun:
             engine.advance(self.ends[-1])
         return self.result()
 
-    def on_engine(self, t: float, index: int, epoch: int) -> None:
-        engine = self.engines[index]
+    def on_engine(self, t: float, index: int, epoch: int) -> bool:
+        """Retire the engine's finished sequences; whether a group became ready."""
+        engine, ready = self.engines[index], False
         if epoch != engine.epoch:
-            return
+            return False
         for seq_id in engine.finish(t):
             self.in_flight -= 1
             group, _ = self.samples.pop(seq_id)
             group.remaining -= 1
             if group.remaining == 0:
-                group.ready_s = t
+                group.ready_s, ready = t, True
                 self.buffer.append(group)
         self.schedule(index)
+        return ready
 
     def on_trained(self, t: float) -> None:
         """The update is done: pause the engines (or abort what they run) for the weight sync."""
