@@ -120,10 +120,13 @@ def fit_lengths(mean: float, max_geo: float, clip: float, cap: int, batch: int) 
     return Lengths(median=mean * math.exp(-sigma * sigma / 2), sigma=sigma, max_tokens=cap)
 
 
-def calibrate(run_dir: str | Path, max_seqs: int = 256, layout: Optional[Layout] = None, **overrides) -> SimConfig:
-    """A `SimConfig` fitted to a synchronous run (see the module docstring); `overrides`: SimConfig fields
-    (prompts_per_step, samples_per_prompt, ...) that the run's config.yaml lacks or that should differ."""
+def calibrate(run_dir: str | Path, max_seqs: int = 256, layout: Optional[Layout] = None, skip_steps: int = 1,
+              **overrides) -> SimConfig:
+    """A `SimConfig` fitted to a synchronous run (see the module docstring), its first `skip_steps` steps left
+    out (start-up, compilation) when it has more; `overrides`: SimConfig fields (prompts_per_step,
+    samples_per_prompt, ...) that the run's config.yaml lacks or that should differ."""
     rows, config = read_rows(run_dir), read_run_config(run_dir)
+    rows = rows[skip_steps:] if len(rows) > skip_steps else rows
     trainer, rollout = config.get("trainer", {}), config.get("rollout", {})
     prompts = overrides.pop("prompts_per_step", None) or trainer.get("prompts_per_step")
     n = overrides.pop("samples_per_prompt", None) or rollout.get("samples_per_prompt")
