@@ -71,6 +71,7 @@ def overrides(task: dict, run_dir: Path, args) -> list[str]:
             f"rollout.max_response_tokens={args.max_tokens}", "rollout.temperature=1.0", f"trainer.seed={args.seed}",
             "trainer.progress_bar=false", "trainer.checkpoint_every_steps=0", "trainer.export_hf_at_end=false",
             "trainer.dump_rollouts_every_steps=1", "validation.before_train=false", "validation.every_steps=0",
+            "validation.max_prompts=2",
             "resources.gpus_per_node=3", "resources.pools={main: 2, rollout: 1}", "rollout.mode=server",
             "rollout.pool=rollout", "actor.layout.tp=1", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
             f"actor.micro_batch_tokens={4 * args.max_tokens}"]
@@ -135,11 +136,13 @@ def _async_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if "time/step" in r]
 
 
-def length_distribution(run_dir: Path) -> list[int]:
-    """Response lengths in characters (= tokens of the character tokenizer, the end-of-turn token aside)."""
+def length_distribution(run_dir: Path, cap: int) -> list[int]:
+    """Response lengths from the rollout dumps: the cap for a response cut at it (finish_reason "length"), else
+    its decoded characters (one per token of the character tokenizer; special tokens decode to nothing)."""
     lengths = []
     for path in sorted((run_dir / "rollouts").glob("step_*.jsonl")):
-        lengths += [len(json.loads(line)["response"]) for line in path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lengths += [cap if r["finish_reason"] == "length" else len(r["response"]) for r in records]
     return lengths
 
 
@@ -149,7 +152,7 @@ def print_lengths(lengths: list[int], cap: int) -> None:
         return
     ordered = sorted(lengths)
     pct = {p: ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (10, 50, 90, 99)}
-    print(f"  response lengths ({len(lengths)} samples, characters): mean {statistics.fmean(lengths):.1f}, "
+    print(f"  response lengths ({len(lengths)} samples, rollout dumps): mean {statistics.fmean(lengths):.1f}, "
           + ", ".join(f"p{p} {v}" for p, v in pct.items()) + f", max {ordered[-1]} (cap {cap}), "
           f"clipped {sum(x >= cap for x in lengths) / len(lengths):.1%}")
     edges = [0, *[round(cap * f) for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2)], cap + 1]
@@ -186,7 +189,7 @@ def predict(sync_dir: Path, staleness: int, measured: dict, args) -> None:
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(REPO / "runs" / "bench_async_vs_sync"), help="work directory (replaced)")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=256, help="rollout.max_response_tokens (the tail's cap)")
@@ -213,7 +216,7 @@ def main() -> int:
     seconds = train(root / "sync", overrides(task, root / "sync", args), args.timeout)
     measured["sync"] = summarize(root / "sync", batch, "sync")
     print(f"\nsync run: {seconds:.0f} s wall (start-up included)")
-    print_lengths(length_distribution(root / "sync"), args.max_tokens)
+    print_lengths(length_distribution(root / "sync", args.max_tokens), args.max_tokens)
     print_run(measured["sync"])
     if not args.sync_only:
         failure = async_available()
@@ -222,7 +225,7 @@ def main() -> int:
             seconds = train(root / "async", overrides(task, root / "async", args) + extra, args.timeout)
             measured["async"] = summarize(root / "async", batch, "async")
             print(f"\nasync run (max_staleness {args.max_staleness}): {seconds:.0f} s wall (start-up included)")
-            print_lengths(length_distribution(root / "async"), args.max_tokens)
+            print_lengths(length_distribution(root / "async", args.max_tokens), args.max_tokens)
             print_run(measured["async"])
             print(f"\n  measured async / sync: {measured['async']['samples_per_s'] / measured['sync']['samples_per_s']:.2f}x")
     print()
