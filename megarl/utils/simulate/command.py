@@ -28,6 +28,15 @@ _FIELDS = {"rollout_gpus": ("layout", "rollout_gpus", 1), "train_gpus": ("layout
            "weight_sync_s": ("costs", "weight_sync_s", 1), "prompts_per_step": (None, "prompts_per_step", 1),
            "samples_per_prompt": (None, "samples_per_prompt", 1), "steps": (None, "steps", 1),
            "warmup_steps": (None, "warmup_steps", 1), "seed": (None, "seed", 1)}
+_HELP = {"rollout_gpus": "GPUs of the rollout engines", "train_gpus": "GPUs of the trainer (reported; speed is in "
+           "--train-ms-per-sample)", "engine_tp": "GPUs per engine", "max_seqs": "sequences one engine decodes at once",
+           "length_median": "lognormal response length median (tokens)", "length_sigma": "lognormal sigma (long tail)",
+           "max_tokens": "response length cap", "decode_base_ms": "decode step time independent of the batch",
+           "decode_per_seq_ms": "decode step time each running sequence adds",
+           "train_ms_per_sample": "trainer work per sample (reward, log-probs, updates)",
+           "weight_sync_s": "seconds per weight update (engines paused)", "prompts_per_step": "groups per update",
+           "samples_per_prompt": "samples per group", "steps": "updates simulated",
+           "warmup_steps": "leading updates left out of the throughput", "seed": "seed of the length draws"}
 _INTS = {"rollout_gpus", "train_gpus", "engine_tp", "max_seqs", "max_tokens", "prompts_per_step", "samples_per_prompt",
          "steps", "warmup_steps", "seed"}
 
@@ -37,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--preset", choices=sorted(PRESETS), help="start from a named scenario (see presets.py)")
     start.add_argument("--calibrate", metavar="RUN_DIR", help="start from constants fitted to a sync run's metrics.jsonl")
     for flag in _FIELDS:
-        parser.add_argument("--" + flag.replace("_", "-"), type=int if flag in _INTS else float, default=None)
+        parser.add_argument("--" + flag.replace("_", "-"), type=int if flag in _INTS else float, default=None,
+                            help=_HELP[flag])
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2, 4], help="async schedules to simulate")
     parser.add_argument("--over-stale", choices=["pace", "drop"], default="pace")
     parser.add_argument("--on-update", choices=["continue", "abort"], default="continue")
