@@ -11,8 +11,8 @@ each weight update pauses the engines for `weight_sync_s`, in-flight requests co
 keeping their first version) or are aborted and resubmitted. A consumed group's staleness is the trainer's
 version minus the group's oldest version; it never exceeds max_staleness: with over_stale="pace" the
 trainer waits until the groups still out can all be trained in time (earliest deadline first), with
-"drop" over-stale groups are dropped and counted. At max_staleness=0 the asynchronous schedule is the
-synchronous one, event for event.
+"drop" over-stale groups are dropped and counted. At max_staleness=0 (max_concurrent_rollouts unset)
+the asynchronous schedule is the synchronous one, event for event.
 
 Pure Python; imports nothing from megarl but this package.
 """
