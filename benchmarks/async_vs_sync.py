@@ -174,7 +174,7 @@ def predict(sync_dir: Path, staleness: int, measured: dict, args) -> None:
     """The schedule model calibrated on the sync run, for this layout, beside the measured ratio."""
     cfg = calibrate(sync_dir, max_seqs=args.max_seqs)
     cfg.steps, cfg.warmup_steps = max(cfg.steps, 30), 2
-    knobs = Async(max_staleness=staleness)
+    knobs = Async(max_staleness=staleness, on_update=args.on_update)
     results = compare(cfg, [staleness], knobs)
     print(format_report(cfg, results, knobs))
     predicted = results["async"][staleness].samples_per_s / results["sync"].samples_per_s
@@ -194,6 +194,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=256, help="rollout.max_response_tokens (the tail's cap)")
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--on-update", choices=["continue", "abort"], default="continue",
+                        help="async_training.on_update of the async run (and of the model)")
     parser.add_argument("--max-seqs", type=int, default=256, help="the engine's concurrent sequences (for the model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
@@ -221,10 +223,12 @@ def main() -> int:
     if not args.sync_only:
         failure = async_available()
         if failure is None:
-            extra = ["trainer.mode=async", f"async_training.max_staleness={args.max_staleness}"]
+            extra = ["trainer.mode=async", f"async_training.max_staleness={args.max_staleness}",
+                     f"async_training.on_update={args.on_update}"]
             seconds = train(root / "async", overrides(task, root / "async", args) + extra, args.timeout)
             measured["async"] = summarize(root / "async", batch, "async")
-            print(f"\nasync run (max_staleness {args.max_staleness}): {seconds:.0f} s wall (start-up included)")
+            print(f"\nasync run (max_staleness {args.max_staleness}, on_update {args.on_update}): {seconds:.0f} s wall "
+                  "(start-up included)")
             print_lengths(length_distribution(root / "async", args.max_tokens), args.max_tokens)
             print_run(measured["async"])
             print(f"\n  measured async / sync: {measured['async']['samples_per_s'] / measured['sync']['samples_per_s']:.2f}x")
