@@ -127,7 +127,8 @@ def summarize(run_dir: Path, batch: int, mode: str) -> dict:
             out[name] = statistics.fmean(values) if values else float("nan")
         for key in ASYNC_KEYS:
             values = [r[key] for r in kept if key in r]
-            out[key] = (max(values) if key.endswith("max") else statistics.fmean(values)) if values else float("nan")
+            cumulative = key.endswith(("max", "dropped"))  # async/dropped counts since the start
+            out[key] = (max(values) if cumulative else statistics.fmean(values)) if values else float("nan")
     return out
 
 
