@@ -1,4 +1,4 @@
-"""The `megarl` command: `train`, `convert`, `check-parity`, `config`, `plan` (and, as it lands, `eval`).
+"""The `megarl` command: `train`, `convert`, `check-parity`, `config`, `plan`, `simulate` (and, as it lands, `eval`).
 
 Owns: argument parsing and turning the library's validation errors into one clear line and a
 non-zero exit code (no traceback for bad input). The work itself lives in the library.
@@ -87,6 +87,14 @@ def _train_parser(sub) -> None:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20 actor.optim.lr=1e-6")
 
 
+def _simulate_parser(sub) -> None:
+    from megarl.utils.simulate.command import add_arguments
+
+    simulate = sub.add_parser("simulate", help="predict sync vs async samples/s of a cluster layout (discrete-event "
+                              "model; --preset 7b-64gpu or --calibrate RUN_DIR)")
+    add_arguments(simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _parity_parser(sub)
     _config_parser(sub)
     _plan_parser(sub)
+    _simulate_parser(sub)
     return parser
 
 
@@ -194,6 +203,12 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _run_simulate(args) -> int:
+    from megarl.utils.simulate.command import run
+
+    return run(args)
+
+
 def _run_train(args) -> int:
     from megarl.config import describe, load_config, validate
     from megarl.trainer import train
@@ -220,7 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config,
-                "plan": _run_plan}
+                "plan": _run_plan, "simulate": _run_simulate}
     # Ctrl-C works even where SIGINT was inherited ignored (`cmd &` in a script); `train` stops
     # gracefully on the first SIGINT/SIGTERM and at once on a second one
     with GracefulStop() if args.command == "train" else SigintRearmed():
