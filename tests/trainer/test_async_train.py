@@ -78,7 +78,7 @@ def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float =
 def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_task, tmp_path):
     run = tmp_path / "run"
     args = overrides(tiny_task, run, *SERVER, "trainer.mode=async", "async_training.max_staleness=1",
-                     "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=0", "rollout.max_response_tokens=200")
+                     "async_training.on_update=continue", "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=0", "rollout.max_response_tokens=200")
     # no checkpoint between steps 1 and 2: the groups admitted after step 1 are still generating at the
     # update after step 2 (long responses), and step 3 trains them
     _killed_at_checkpoint([*args, "trainer.total_steps=4"], run, tmp_path / "held", nth=2)
