@@ -31,6 +31,9 @@ from megarl.trainer import batching, state
 from megarl.trainer.agents import AgentRollout, agent_metrics
 from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, mean_metrics, mfu_meter, timing_metrics
 
+VAL_AGENT_METRICS = ("agent/tool_success", "agent/tool_calls", "agent/tool_errors", "agent/turns")
+"""Agent metrics also logged for validation (as val/agent/...) when the loops report them."""
+
 
 class RLTrainer:
     """Drives the roles of a `megarl.controller.Cluster` through the RL loop of a `RunConfig`."""
@@ -217,9 +220,11 @@ class RLTrainer:
             return {}
         n = val.samples_per_prompt
         params = replace(self.sampling, n=n, temperature=0.0) if val.greedy else replace(self.sampling, n=n)
-        batch = self.score(self.generate(self.data.validation, step=-1, params=params))
+        stats: dict = {}
+        batch = self.score(self.generate(self.data.validation, step=-1, params=params, stats=stats))
         return {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
-                "val/response_length": float(batch["response_mask"].sum(-1).float().mean())}
+                "val/response_length": float(batch["response_mask"].sum(-1).float().mean()),
+                **{f"val/{key}": stats[key] for key in VAL_AGENT_METRICS if key in stats}}
 
     def dump_rollouts(self, step: int, batch: Batch) -> None:
         """Every `trainer.dump_rollouts_every_steps`: the step's samples to rollouts/step_N.jsonl."""
