@@ -222,7 +222,7 @@ def main():
     parser.add_argument("--trajectories", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3, help="model turns per trajectory (turns - 1 tool calls)")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens of one model turn")
-    parser.add_argument("--stop-chars", default="abc", help="characters that also end a model turn")
+    parser.add_argument("--stop-chars", default="abcd", help="characters that also end a model turn")
     parser.add_argument("--tool-ms", type=float, nargs=2, default=(50.0, 500.0), help="tool latency range (ms)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
