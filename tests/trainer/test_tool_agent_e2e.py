@@ -4,7 +4,7 @@ by the driver's agent rollout.
 
 A fresh tiny model never writes a tool call, so the fixture first teaches the call format with a short
 SFT warm-up on demonstrations in the exact token layout of the loop (`megarl.trainer.tool_sft`). Then:
-losses finite, the dumped rollouts hold assistant turns with parsed calculator calls followed by tool
+losses finite with a nonzero policy gradient, the dumped rollouts hold assistant turns with parsed calculator calls followed by tool
 turns whose tokens the loss does not train on (the mask holes), and the agent metrics reach
 metrics.jsonl.
 """
@@ -15,7 +15,7 @@ import torch
 
 from megarl.rollout import vllm_available
 from megarl.trainer.metrics import read_metrics
-from train_helpers import REPO, overrides, run_train
+from train_helpers import HERE, REPO, overrides, run_train
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
@@ -54,6 +54,9 @@ def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_pa
                      "validation.every_steps=0", "trainer.export_hf_at_end=false", "data.apply_chat_template=true",
                      "rollout.max_response_tokens=128", "rollout.agent.max_assistant_turns=2",
                      "rollout.temperature=0.5",  # the short warm-up's calls are clean at 0.5 (at 1.0 often garbled)
+                     # rewards that vary within a group (the warmed-up model cannot multiply yet): nonzero
+                     # advantages, so the policy gradient really runs over the masks with holes
+                     f"reward.reward_fn={HERE / 'hash_reward.py'}:reward",
                      f"rollout.agent.tool_config={REPO / 'configs' / 'tools' / 'calculator.yaml'}")
     code, out, seconds = run_train("tool_agent_quickstart.yaml", args)
     assert code == 0, out[-4000:]
@@ -65,6 +68,7 @@ def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_pa
         for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/masked_token_share",
                     "agent/trajectories_per_s"):
             assert key in r, (key, sorted(r))
+    assert any(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
     assert max(r["agent/tool_calls"] for r in rows) > 0 and max(r["agent/masked_token_share"] for r in rows) > 0
     dump = [json.loads(line) for line in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     assert len(dump) == 16
