@@ -7,7 +7,8 @@ an error observation) and their results are appended as one tool turn of templat
 Stops with `length` (budget spent or a turn cut by max_tokens), `max_turns`
 (`max_assistant_turns` model turns and still calling), `tool_budget` (the turn's calls would pass
 `max_tool_calls`). Tool step rewards land on the calling turn; `Tool.reward` per trajectory goes to
-`reward_extras['tool_rewards']`. Imports the agent package's own modules only.
+`reward_extras['tool_rewards']`, and the last assistant turn's text without tool-call markup to
+`reward_extras['final_response']` (the answer, for rewards that must not read the tools' output). Imports the agent package's own modules only.
 """
 from __future__ import annotations
 
@@ -21,20 +22,24 @@ from megarl.agent.trajectory import Trajectory
 
 
 class ToolStats:
-    """Counts of one trajectory's calls, errors by kind, and seconds spent in tools."""
+    """Counts of one trajectory's calls, errors by kind, and seconds spent in tools; `tool_success` is 1
+    when at least one call ran without error (its step mean: the share of trajectories that used a tool)."""
 
     def __init__(self):
         self.calls = 0
+        self.successes = 0
         self.seconds = 0.0
         self.errors: Counter = Counter()
 
     def add(self, results: list[CallResult], seconds: float) -> None:
         self.calls += len(results)
+        self.successes += sum(not r.error for r in results)
         self.seconds += seconds
         self.errors.update(r.error for r in results if r.error)
 
     def metrics(self) -> dict[str, float]:
-        out = {"tool_calls": self.calls, "tool_errors": sum(self.errors.values()), "tool_seconds": self.seconds}
+        out = {"tool_calls": self.calls, "tool_errors": sum(self.errors.values()), "tool_seconds": self.seconds,
+               "tool_success": float(self.successes > 0)}
         out.update({f"tool_errors/{kind}": self.errors[kind] for kind in ERROR_KINDS})
         return out
 
@@ -53,6 +58,7 @@ async def tool_agent(sample: AgentSample, llm: AgentLLM, ctx: AgentContext) -> T
         reason = await _rounds(conv, llm, ctx, session, stats)
     finally:
         conv.trajectory.reward_extras["tool_rewards"] = await session.close()
+        conv.trajectory.reward_extras["final_response"] = _final_response(conv.trajectory, ctx)
     if session.close_errors:
         conv.trajectory.reward_extras["tool_close_errors"] = session.close_errors
     return conv.finish(reason, **stats.metrics(), tool_close_errors=len(session.close_errors))
@@ -86,6 +92,12 @@ async def _rounds(conv: Conversation, llm: AgentLLM, ctx: AgentContext, session,
         if not conv.observe("tool", messages, seconds=time.monotonic() - start,
                             tool_results=[r.to_dict() for r in results]):
             return "length"
+
+
+def _final_response(trajectory: Trajectory, ctx: AgentContext) -> str:
+    """The last assistant turn's text without its tool-call markup ('' when the model never spoke)."""
+    last = next((t for t in reversed(trajectory.turns) if t.role == "assistant"), None)
+    return ctx.parser(last.text).content if last is not None else ""
 
 
 def _openai_calls(calls) -> list[dict]:

@@ -1,6 +1,8 @@
-"""Generated tasks a tiny model can learn with RL in minutes on CPU: `arithmetic` and `countdown`.
+"""Generated tasks a tiny model can learn with RL in minutes on CPU: `arithmetic`, `countdown` and
+`tool_arithmetic` (products only a calculator tool gets right, for the `tool_agent` loop).
 
-Owns the row generators (`make_arithmetic_dataset`, `make_countdown_dataset`, `make_task_dataset`)
+Owns the row generators (`make_arithmetic_dataset`, `make_countdown_dataset`,
+`make_tool_arithmetic_dataset`, `make_task_dataset`)
 and `write_task_splits` (train/test parquet). Rows have the columns every prompt dataset has:
 `prompt` (chat messages, or a raw string with `chat=False`), `ground_truth` (a string),
 `data_source` (the name of the matching reward in `megarl.rewards`) and `extra_info`.
@@ -123,9 +125,27 @@ def _countdown_problem(rng: random.Random, num_numbers: int, max_number: int, ma
     return numbers, equation, int(target)
 
 
+def make_tool_arithmetic_dataset(n: int, seed: int = 0, digits: tuple[int, int] = (3, 2), chat: bool = False,
+                                 agent_name: str = "tool_agent") -> list[dict[str, Any]]:
+    """`n` products like "347*29=" of a `digits[0]`-digit and a `digits[1]`-digit number: far beyond what a
+    tiny model computes, exact with the `calculator` tool. Rows carry `agent_name` (the loop that offers
+    the tools) and `data_source` "tool_arithmetic" (its reward reads the model's final turn)."""
+    if len(digits) != 2 or min(digits) < 1:
+        raise ValueError(f"digits must be two positive digit counts (first factor, second factor), got {digits}")
+    rng = random.Random(seed)
+    rows = []
+    for index in range(n):
+        a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in digits)
+        rows.append({"prompt": _prompt(f"{a}*{b}=", chat), "ground_truth": str(a * b),
+                     "data_source": "tool_arithmetic", "agent_name": agent_name,
+                     "extra_info": {"index": index, "expression": f"{a}*{b}"}})
+    return rows
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": make_arithmetic_dataset,
     "countdown": make_countdown_dataset,
+    "tool_arithmetic": make_tool_arithmetic_dataset,
 }
 
 

@@ -1,4 +1,4 @@
-"""Rewards of the generated tasks in `megarl.data.tasks`: `arithmetic` and `countdown`.
+"""Rewards of the generated tasks in `megarl.data.tasks`: `arithmetic`, `countdown` and `tool_arithmetic`.
 
 Both give a tiny model trained from scratch a signal it can climb: an arithmetic answer counts
 when it is the last integer of the response (a clean bare answer scores a little more), and a
@@ -44,6 +44,16 @@ def arithmetic_reward(solution_str: str, ground_truth: str, extra: dict) -> dict
     penalty = float((extra or {}).get("verbose_penalty", DEFAULT_VERBOSE_PENALTY))
     score = (1.0 if clean else 1.0 - penalty) if correct else 0.0
     return {"score": score, "acc": float(correct)}
+
+
+@register_reward("tool_arithmetic")
+def tool_arithmetic_reward(solution_str: str, ground_truth: str, extra: dict) -> dict:
+    """The `arithmetic` reward on the model's own final turn: `extra["final_response"]` (set by the
+    `tool_agent` loop: the text of the last assistant turn, tool-call markup removed), else the whole
+    response. Reading only the final turn matters: the calculator's result sits in the tool turn, and a
+    trajectory cut off right after it must not score with the tool's answer."""
+    final = (extra or {}).get("final_response")
+    return arithmetic_reward(solution_str if final is None else str(final), ground_truth, extra)
 
 
 def extract_equation(text: str) -> str | None:

@@ -59,7 +59,7 @@ def trajectory_batch(prompts: Batch, trajectories: list[list[Trajectory]], pad_t
     rows["finish_reason"] = np.array([t.finish_reason for t in flat], dtype=object)
     rows["policy_version"] = torch.tensor([_oldest_version(t) for t in flat], dtype=torch.long)
     rows["reward_extras"] = [dict(t.reward_extras) for t in flat]
-    rows["agent_turns"] = [[_turn_record(turn) for turn in t.turns] if len(t.turns) > 1 else None for t in flat]
+    rows["agent_turns"] = [[_turn_record(t, turn) for turn in t.turns] if len(t.turns) > 1 else None for t in flat]
     return rows
 
 
@@ -106,9 +106,13 @@ def _oldest_version(t: Trajectory) -> int:
     return min(versions) if versions else 0
 
 
-def _turn_record(turn) -> dict:
+def _turn_record(t: Trajectory, turn) -> dict:
+    """One turn for rollouts/step_N.jsonl: its text, calls and results, its token count and how many of
+    those the loss trains on (the response mask over the turn: all for model turns, none for tool /
+    user / environment turns)."""
     return {"role": turn.role, "text": turn.text, "tool_calls": turn.tool_calls, "tool_results": turn.tool_results,
-            "reward": turn.reward, "seconds": round(turn.seconds, 4)}
+            "reward": turn.reward, "seconds": round(turn.seconds, 4), "tokens": turn.end - turn.start,
+            "trained_tokens": sum(t.response_mask[turn.start:turn.end])}
 
 
 def decode_responses(batch: Batch, tokenizer) -> list[str]:

@@ -37,6 +37,9 @@ from megarl.trainer.metrics import (
     PhaseTimer, RunLogger, ZeroVarianceWatch, batch_metrics, mean_metrics, mfu_meter, timing_metrics, validation_metrics,
 )
 
+VAL_AGENT_METRICS = ("agent/tool_success", "agent/tool_calls", "agent/tool_errors", "agent/turns")
+"""Agent metrics also logged for validation (as val/agent/...) when the loops report them."""
+
 
 class RLTrainer:
     """Drives the roles of a `megarl.controller.Cluster` through the RL loop of a `RunConfig`."""
@@ -277,8 +280,10 @@ class RLTrainer:
         """Mean score / accuracy of the validation prompts (greedy unless validation.greedy=false)."""
         if self.data.validation is None:
             return {}
-        batch = self.score(self.generate(self.data.validation, step=-1, params=self.validation_params))
-        return validation_metrics(batch, self.validation_params.n)
+        stats: dict = {}
+        batch = self.score(self.generate(self.data.validation, step=-1, params=self.validation_params, stats=stats))
+        return {**validation_metrics(batch, self.validation_params.n),
+                **{f"val/{key}": stats[key] for key in VAL_AGENT_METRICS if key in stats}}
 
     def dump_rollouts(self, step: int, batch: Batch) -> None:
         """Every `trainer.dump_rollouts_every_steps`: the step's samples to rollouts/step_N.jsonl."""

@@ -48,12 +48,11 @@ class RunData:
 
 def load_run_data(cfg) -> RunData:
     """Tokenizer, datasets (all row checks happen here) and the reward runner; no worker is started."""
-    from transformers import AutoTokenizer
-
     from megarl.data.datasets import PromptDataset, PromptLoader, collate_prompts
+    from megarl.data.tokenizer import load_tokenizer
     from megarl.rewards import RewardRunner
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_path)
     train = PromptDataset(cfg.data, tokenizer)
     loader = PromptLoader.from_config(train, cfg.data, cfg.trainer.prompts_per_step)
     validation = None

@@ -58,6 +58,37 @@ def test_tiny_tokenizer_saved_loads_with_auto_tokenizer(tmp_path):
     assert loaded.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).startswith("<|im_start|>user")
 
 
+def test_tiny_tokenizer_beside_a_qwen2_model_keeps_spaces_and_newlines(tmp_path):
+    """load_tokenizer (what the trainer uses): AutoTokenizer alone would pick Qwen2Tokenizer from config.json
+    and rebuild a byte-level pre-tokenizer that drops whitespace."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.testing.models import save_tiny_hf_model
+
+    tok = build_tiny_tokenizer(chat_template="compact_tools")
+    save_tiny_hf_model("qwen2", tmp_path, vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
+                       tokenizer=tok)
+    loaded = load_tokenizer(str(tmp_path))
+    text = '<tool_call>\n{"name": "calculator"}\n</tool_call>'
+    assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    assert loaded.chat_template == tok.chat_template
+
+
+def test_compact_tools_template_lists_tool_names_and_renders_calls_and_results():
+    tok = build_tiny_tokenizer(chat_template="compact_tools")
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    messages = [{"role": "user", "content": "12*34="},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]},
+                {"role": "tool", "content": "408"}]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text == ('<|im_start|>system\nTools: calculator<|im_end|>\n<|im_start|>user\n12*34=<|im_end|>\n'
+                    '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}'
+                    '\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n')
+    with pytest.raises(ValueError, match="chat_template must be one of"):
+        build_tiny_tokenizer(chat_template="nope")
+
+
 # ---------------------------------------------------------------- reading and validation
 
 

@@ -90,8 +90,25 @@ def test_countdown_equation_helpers():
     assert evaluate_equation("7/2*2") == 7 and evaluate_equation("2**10") is None
 
 
+def test_tool_arithmetic_rows_pick_the_tool_agent_and_score_only_the_final_turn():
+    rows = make_task_dataset("tool_arithmetic", 20, seed=3)
+    assert rows == make_task_dataset("tool_arithmetic", 20, seed=3)
+    for row in rows:
+        a, b = row["extra_info"]["expression"].split("*")
+        assert len(a) == 3 and len(b) == 2 and row["prompt"] == f"{a}*{b}="
+        assert row["ground_truth"] == str(int(a) * int(b)) and row["agent_name"] == "tool_agent"
+    reward, truth = get_reward_fn("tool_arithmetic"), rows[0]["ground_truth"]
+    # the tool's result sits in the response text; only the model's final turn counts
+    text = f"<tool_call>...</tool_call>\ntool\n{truth}\nassistant\n"
+    assert reward(text, truth, {"final_response": ""})["acc"] == 0.0
+    assert reward(text + truth, truth, {"final_response": truth}) == {"score": 1.0, "acc": 1.0}
+    assert reward(truth, truth, {})["acc"] == 1.0  # without the loop's extras: the whole response
+    with pytest.raises(ValueError, match="digits"):
+        make_task_dataset("tool_arithmetic", 1, digits=(3,))
+
+
 def test_unknown_task_raises_listing_tasks():
-    with pytest.raises(ValueError, match=r"unknown task 'sudoku'; tasks: \['arithmetic', 'countdown'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'sudoku'; tasks: \['arithmetic', 'countdown', 'tool_arithmetic'\]"):
         make_task_dataset("sudoku", 3)
 
 
