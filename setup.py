@@ -3,6 +3,7 @@
 Install with `bash scripts/setup.sh` (it handles the CPU-torch and megatron-core traps described in
 the README); `pip install -e .[test]` works where torch and megatron-core are already present.
 """
+
 from pathlib import Path
 
 from setuptools import find_packages, setup

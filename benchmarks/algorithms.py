@@ -13,6 +13,7 @@ Prints time per call (best of --repeats, ref and ours alternating), `speedup = r
 and the max |difference| between the two.
 Imports only torch (runs on CPU; uses CUDA when available unless --device cpu).
 """
+
 import argparse
 import os
 import time
@@ -70,14 +71,21 @@ def make_inputs(batch, seq, device, seed=0):
     values = torch.randn(batch, seq, generator=gen)
     log_probs = -torch.rand(batch, seq, generator=gen) * 3
     old_log_probs = log_probs + 0.1 * torch.randn(batch, seq, generator=gen)
-    tensors = dict(mask=mask, rewards=rewards, values=values, log_probs=log_probs,
-                   old_log_probs=old_log_probs, advantages=torch.randn(batch, seq, generator=gen))
+    tensors = dict(
+        mask=mask,
+        rewards=rewards,
+        values=values,
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=torch.randn(batch, seq, generator=gen),
+    )
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 def compare(ref_fn, ours_fn, device, repeats):
     """Best wall time of each function over `repeats` alternating calls (after a warm-up of each),
     so both see the same machine load."""
+
     def timed(fn):
         start = time.perf_counter()
         fn()
@@ -114,8 +122,9 @@ def bench_ppo(data, device, repeats):
         return ppo_clip(inputs, cfg, agg)[0]
 
     def ref(log_probs):
-        return reference_ppo_loss(log_probs, data["old_log_probs"], data["advantages"],
-                                  data["mask"].float(), 0.2, 0.28, 3.0)[0]
+        return reference_ppo_loss(
+            log_probs, data["old_log_probs"], data["advantages"], data["mask"].float(), 0.2, 0.28, 3.0
+        )[0]
 
     t_ref, t_ours = compare(lambda: run(ref), lambda: run(ours), device, repeats)
     (l1, g1), (l2, g2) = run(ours), run(ref)
@@ -138,11 +147,15 @@ def main():
     device = torch.device(args.device)
     data = make_inputs(args.batch, args.seq, device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"B={args.batch} T={args.seq} device={device} threads={torch.get_num_threads()} "
-          f"cpus={os.cpu_count()} load_avg_1min={load:.1f} (on a busy machine prefer --threads 1)")
+    print(
+        f"B={args.batch} T={args.seq} device={device} threads={torch.get_num_threads()} "
+        f"cpus={os.cpu_count()} load_avg_1min={load:.1f} (on a busy machine prefer --threads 1)"
+    )
     print(f"{'case':34s} {'ref ms':>9s} {'ours ms':>9s} {'speedup':>8s} {'max|diff|':>10s}")
-    rows = [(f"gae gamma={g} lam={l}", *bench_gae(data, device, args.repeats, g, l))
-            for g, l in ((1.0, 1.0), (1.0, 0.95), (0.99, 0.95))]
+    rows = [
+        (f"gae gamma={g} lam={lam}", *bench_gae(data, device, args.repeats, g, lam))
+        for g, lam in ((1.0, 1.0), (1.0, 0.95), (0.99, 0.95))
+    ]
     rows.append(("ppo_clip dual-clip fwd+bwd", *bench_ppo(data, device, args.repeats)))
     for name, ref, ours, diff in rows:
         print(f"{name:34s} {ref * 1e3:9.2f} {ours * 1e3:9.2f} {ref / ours:7.1f}x {diff:10.2e}")

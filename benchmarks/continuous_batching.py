@@ -20,6 +20,7 @@ Prints trajectories/s of both and the ratio continuous / batched (higher is bett
 the same run, alternating, best of --repeats), generated tokens/s, and the latency of a trajectory
 (from its arrival to its last token; what arrivals over time mostly change).
 """
+
 import argparse
 import asyncio
 import os
@@ -42,13 +43,17 @@ def make_workload(args) -> list[dict]:
     trajectories, clock = [], 0.0
     for _ in range(args.trajectories):
         clock += rng.expovariate(args.rate) if args.workload == "arrivals" else 0.0
-        trajectories.append({
-            "prompt": [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 48))],
-            "responses": lengths(rng, turns, 8, args.max_response),
-            "tools": [(min(5 * args.tool_ms, args.tool_ms * rng.paretovariate(2.0) / 2), rng.randint(4, 16))
-                      for _ in range(turns)],
-            "arrival": clock,
-        })
+        trajectories.append(
+            {
+                "prompt": [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 48))],
+                "responses": lengths(rng, turns, 8, args.max_response),
+                "tools": [
+                    (min(5 * args.tool_ms, args.tool_ms * rng.paretovariate(2.0) / 2), rng.randint(4, 16))
+                    for _ in range(turns)
+                ],
+                "arrival": clock,
+            }
+        )
     return trajectories
 
 
@@ -94,9 +99,12 @@ async def batched(engine, workload) -> tuple[int, list[float]]:
         if not ready:
             await asyncio.sleep(min(workload[i]["arrival"] for i in pending) - now)
             continue
-        outs = await asyncio.gather(*(engine.generate(state[i]["conversation"],
-                                                      params(workload[i]["responses"][state[i]["turn"]]))
-                                      for i in ready))
+        outs = await asyncio.gather(
+            *(
+                engine.generate(state[i]["conversation"], params(workload[i]["responses"][state[i]["turn"]]))
+                for i in ready
+            )
+        )
         tools = []
         for i, (completion,) in zip(ready, outs):
             s, t = state[i], workload[i]
@@ -126,8 +134,18 @@ def make_engine(kind: str, path: str, max_len: int):
 def write_model(path: str, max_len: int) -> None:
     from megarl.testing.models import save_tiny_hf_model
 
-    save_tiny_hf_model("qwen2", path, vocab_size=VOCAB, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-                       intermediate_size=512, max_position_embeddings=max_len, initializer_range=0.2)
+    save_tiny_hf_model(
+        "qwen2",
+        path,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=max_len,
+        initializer_range=0.2,
+    )
 
 
 def run(args) -> dict:
@@ -150,23 +168,33 @@ def run(args) -> dict:
         finally:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
-    return {"times": {k: min(v) for k, v in times.items()}, "tokens": tokens, "latencies": latencies,
-            "workload": workload}
+    return {
+        "times": {k: min(v) for k, v in times.items()},
+        "tokens": tokens,
+        "latencies": latencies,
+        "workload": workload,
+    }
 
 
 def report(result, args) -> None:
     t, workload = result["times"], result["workload"]
     responses = [r for w in workload for r in w["responses"]]
-    print(f"engine: {args.engine}; workload: {args.workload}, {len(workload)} trajectories x"
-          f" {len(workload[0]['responses'])} turns; response lengths min {min(responses)} median"
-          f" {sorted(responses)[len(responses) // 2]} max {max(responses)}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"engine: {args.engine}; workload: {args.workload}, {len(workload)} trajectories x"
+        f" {len(workload[0]['responses'])} turns; response lengths min {min(responses)} median"
+        f" {sorted(responses)[len(responses) // 2]} max {max(responses)}; load average {os.getloadavg()[0]:.1f}"
+    )
     lat = {name: sorted(v) for name, v in result["latencies"].items()}
     for name in ("continuous", "batched"):
-        print(f"  {name:10s} {t[name]:7.2f} s   {len(workload) / t[name]:7.2f} trajectories/s"
-              f"   {result['tokens'][name] / t[name]:8.0f} generated tokens/s   latency mean"
-              f" {sum(lat[name]) / len(lat[name]):6.2f} s  p90 {lat[name][int(0.9 * (len(lat[name]) - 1))]:6.2f} s")
-    print(f"ratio continuous / batched (trajectories/s): {t['batched'] / t['continuous']:.2f}   (mean latency):"
-          f" {sum(lat['batched']) / sum(lat['continuous']):.2f}x lower")
+        print(
+            f"  {name:10s} {t[name]:7.2f} s   {len(workload) / t[name]:7.2f} trajectories/s"
+            f"   {result['tokens'][name] / t[name]:8.0f} generated tokens/s   latency mean"
+            f" {sum(lat[name]) / len(lat[name]):6.2f} s  p90 {lat[name][int(0.9 * (len(lat[name]) - 1))]:6.2f} s"
+        )
+    print(
+        f"ratio continuous / batched (trajectories/s): {t['batched'] / t['continuous']:.2f}   (mean latency):"
+        f" {sum(lat['batched']) / sum(lat['continuous']):.2f}x lower"
+    )
 
 
 def main():

@@ -9,6 +9,7 @@ file, fsynced (the least work any durable conversion must do). The ratio `conver
 better) is printed for the weight-moving phase of the conversion (inside the ranks: HF read +
 reshard + megatron save) and for the whole command (with process start-up and imports).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,16 +48,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layouts", default="1x1,2x1", help="comma-separated TPxPP layouts")
     args = parser.parse_args()
-    size = (dict(hidden_size=128, num_layers=2, intermediate_size=256, vocab_size=1000) if args.quick else
-             dict(hidden_size=768, num_layers=12, intermediate_size=2048, vocab_size=32000))
+    size = (
+        dict(hidden_size=128, num_layers=2, intermediate_size=256, vocab_size=1000)
+        if args.quick
+        else dict(hidden_size=768, num_layers=12, intermediate_size=2048, vocab_size=32000)
+    )
     root = Path(tempfile.mkdtemp(prefix="megarl_bench_"))
     try:
         hf_dir = root / "hf"
-        save_tiny_hf_model("llama", hf_dir, num_heads=12 if not args.quick else 4,
-                           num_kv_heads=4 if not args.quick else 2, **size)
+        save_tiny_hf_model(
+            "llama", hf_dir, num_heads=12 if not args.quick else 4, num_kv_heads=4 if not args.quick else 2, **size
+        )
         nbytes = model_bytes(hf_dir)
         base = min(baseline_seconds(hf_dir, root) for _ in range(2))
-        print(f"model: {nbytes / 2**20:.1f} MiB fp32 safetensors; baseline read+write {nbytes / base / 2**20:.1f} MiB/s")
+        print(
+            f"model: {nbytes / 2**20:.1f} MiB fp32 safetensors; baseline read+write {nbytes / base / 2**20:.1f} MiB/s"
+        )
         for spec in args.layouts.split(","):
             tp, pp = (int(x) for x in spec.split("x"))
             layout = ParallelLayout(tp=tp, pp=pp)
@@ -68,10 +75,12 @@ def main() -> None:
             mcore_to_hf(root / f"mcore_{spec}", root / f"back_{spec}")
             back = time.perf_counter() - start
             load, save = meta["seconds"]["load"], meta["seconds"]["save"]
-            print(f"tp={tp} pp={pp}: hf→mcore weights phase {nbytes / inner / 2**20:.1f} MiB/s, ratio vs baseline"
-                  f" {base / inner:.2f} (HF read+reshard {load:.2f}s, megatron torch_dist save {save:.2f}s);"
-                  f" whole command {wall:.1f}s (ratio {base / wall:.2f}); mcore→hf whole command {back:.1f}s"
-                  f" (ratio {base / back:.2f})")
+            print(
+                f"tp={tp} pp={pp}: hf→mcore weights phase {nbytes / inner / 2**20:.1f} MiB/s, ratio vs baseline"
+                f" {base / inner:.2f} (HF read+reshard {load:.2f}s, megatron torch_dist save {save:.2f}s);"
+                f" whole command {wall:.1f}s (ratio {base / wall:.2f}); mcore→hf whole command {back:.1f}s"
+                f" (ratio {base / back:.2f})"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

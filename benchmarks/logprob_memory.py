@@ -12,6 +12,7 @@ Peak memory is measured *above* the logits and their gradient (which both need):
 (torch's CPU allocator is invisible to tracemalloc). Prints time (best of --repeats, alternating) and the ratios
 naive / ours, plus the max |difference| of the results.
 """
+
 import argparse
 import subprocess
 import sys
@@ -95,8 +96,22 @@ def worker(args) -> None:
 
 
 def cpu_peak(variant, args) -> int:
-    cmd = [sys.executable, __file__, "--worker", variant, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-           "--dtype", args.dtype, "--chunk", str(args.chunk), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--chunk",
+        str(args.chunk),
+        "--threads",
+        str(args.threads),
+    ]
     return int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
@@ -113,12 +128,16 @@ def main(args) -> None:
     peaks = {v: cuda_peak(v, inputs, args) if args.device == "cuda" else cpu_peak(v, args) for v in times}
     best = {v: min(t) for v, t in times.items()}
     logits_mb = inputs[0].numel() * inputs[0].element_size() / 2**20
-    print(f"device={args.device} dtype={args.dtype} tokens={args.tokens} vocab={args.vocab} chunk={args.chunk}"
-          f" logits={logits_mb:.0f} MiB threads={torch.get_num_threads()}")
+    print(
+        f"device={args.device} dtype={args.dtype} tokens={args.tokens} vocab={args.vocab} chunk={args.chunk}"
+        f" logits={logits_mb:.0f} MiB threads={torch.get_num_threads()}"
+    )
     for v in ("naive", "ours"):
         print(f"  {v:5s}: time {best[v] * 1e3:8.1f} ms   peak extra memory {peaks[v] / 2**20:8.1f} MiB")
-    print(f"  memory ratio naive/ours = {peaks['naive'] / max(peaks['ours'], 1):.1f}x   "
-          f"time ratio naive/ours = {best['naive'] / best['ours']:.2f}x")
+    print(
+        f"  memory ratio naive/ours = {peaks['naive'] / max(peaks['ours'], 1):.1f}x   "
+        f"time ratio naive/ours = {best['naive'] / best['ours']:.2f}x"
+    )
     print(f"  max |diff|: log-prob {diffs[0]:.2e}, entropy {diffs[1]:.2e}, grad {diffs[2]:.2e}")
 
 

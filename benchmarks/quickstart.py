@@ -13,6 +13,7 @@ Then the median and range over the seeds, and the criterion of the quickstart: a
 least 0.25, every seed at least 0.15, training at most 180 s on 2 CPU cores. Step time is split into
 generation, worker phases (log-probs, values, updates, weight sync) and the driver's overhead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ def phase_shares(rows: list[dict]) -> dict:
     generation = sum(r.get(f"time/{p}", 0.0) for r in steps for p in GENERATION_PHASES)
     workers = sum(r.get(f"time/{p}", 0.0) for r in steps for p in WORKER_PHASES)
     driver = total - generation - workers
-    return {"steps": len(steps), "step_s": total, "generation": generation / total, "workers": workers / total,
-            "driver": driver / total}
+    return {
+        "steps": len(steps),
+        "step_s": total,
+        "generation": generation / total,
+        "workers": workers / total,
+        "driver": driver / total,
+    }
 
 
 def zero_variance(rows: list[dict], window: int = 10) -> tuple[float, float]:
@@ -63,24 +69,39 @@ def run_seed(seed: int, run_dir: str, ppo: bool, overrides: list[str]) -> dict:
     if summary is None:
         sys.exit(f"seed {seed}: no validation in {run_dir}/metrics.jsonl (is validation.files set?)")
     (s0, _, acc0), (s1, _, acc1) = summary
-    train_s = next((float(line.split()[-2]) for line in proc.stdout.splitlines()
-                    if line.startswith("[quickstart] train took")), float("nan"))
+    train_s = next(
+        (float(line.split()[-2]) for line in proc.stdout.splitlines() if line.startswith("[quickstart] train took")),
+        float("nan"),
+    )
     zv_first, zv_last = zero_variance(rows)
-    return {"seed": seed, "before": acc0, "after": acc1, "rise": acc1 - acc0, "first_step": s0, "last_step": s1,
-            "train_s": train_s, "wall_s": wall, "zero_var_first": zv_first, "zero_var_last": zv_last,
-            **phase_shares(rows)}
+    return {
+        "seed": seed,
+        "before": acc0,
+        "after": acc1,
+        "rise": acc1 - acc0,
+        "first_step": s0,
+        "last_step": s1,
+        "train_s": train_s,
+        "wall_s": wall,
+        "zero_var_first": zv_first,
+        "zero_var_last": zv_last,
+        **phase_shares(rows),
+    }
 
 
 def summarize(results: list[dict]) -> dict:
     """Median and range of each figure over the seeds, and whether the quickstart's criterion holds."""
+
     def spread(key):
         values = [r[key] for r in results]
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     out = {key: spread(key) for key in ("before", "after", "rise", "train_s")}
-    out["criterion_met"] = (out["rise"]["median"] >= CRITERION["median_rise"]
-                            and out["rise"]["min"] >= CRITERION["min_rise"]
-                            and out["train_s"]["max"] <= CRITERION["max_train_s"])
+    out["criterion_met"] = (
+        out["rise"]["median"] >= CRITERION["median_rise"]
+        and out["rise"]["min"] >= CRITERION["min_rise"]
+        and out["train_s"]["max"] <= CRITERION["max_train_s"]
+    )
     return out
 
 
@@ -90,16 +111,22 @@ def fmt(spread: dict, spec: str = "{:.2f}") -> str:
 
 def report(results: list[dict], summary: dict, algo: str) -> None:
     for r in results:
-        print(f"seed {r['seed']}: greedy val acc {r['before']:.3f} (step {r['first_step']}) -> {r['after']:.3f}"
-              f" (step {r['last_step']}), rise {r['rise']:+.3f}; groups without reward variance"
-              f" {r['zero_var_first']:.2f} (first 10 steps) -> {r['zero_var_last']:.2f} (last 10);"
-              f" training {r['train_s']:.0f} s (whole script {r['wall_s']:.0f} s); step time {r['step_s']:.0f} s:"
-              f" generation {r['generation']:.0%}, workers {r['workers']:.0%}, driver {r['driver']:.0%}")
-    print(f"{algo} quickstart over {len(results)} seeds, median (range): greedy val acc {fmt(summary['before'])}"
-          f" -> {fmt(summary['after'])}; rise {fmt(summary['rise'], '{:+.2f}')};"
-          f" training command {fmt(summary['train_s'], '{:.0f}')} s; machine load (1 min) {os.getloadavg()[0]:.1f}")
-    print(f"criterion (median rise >= {CRITERION['median_rise']}, every seed >= {CRITERION['min_rise']},"
-          f" training <= {CRITERION['max_train_s']:.0f} s): {'met' if summary['criterion_met'] else 'NOT met'}")
+        print(
+            f"seed {r['seed']}: greedy val acc {r['before']:.3f} (step {r['first_step']}) -> {r['after']:.3f}"
+            f" (step {r['last_step']}), rise {r['rise']:+.3f}; groups without reward variance"
+            f" {r['zero_var_first']:.2f} (first 10 steps) -> {r['zero_var_last']:.2f} (last 10);"
+            f" training {r['train_s']:.0f} s (whole script {r['wall_s']:.0f} s); step time {r['step_s']:.0f} s:"
+            f" generation {r['generation']:.0%}, workers {r['workers']:.0%}, driver {r['driver']:.0%}"
+        )
+    print(
+        f"{algo} quickstart over {len(results)} seeds, median (range): greedy val acc {fmt(summary['before'])}"
+        f" -> {fmt(summary['after'])}; rise {fmt(summary['rise'], '{:+.2f}')};"
+        f" training command {fmt(summary['train_s'], '{:.0f}')} s; machine load (1 min) {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"criterion (median rise >= {CRITERION['median_rise']}, every seed >= {CRITERION['min_rise']},"
+        f" training <= {CRITERION['max_train_s']:.0f} s): {'met' if summary['criterion_met'] else 'NOT met'}"
+    )
 
 
 def main(argv=None) -> dict:
@@ -110,7 +137,9 @@ def main(argv=None) -> dict:
     parser.add_argument("overrides", nargs="*", help="dotted overrides passed to megarl train")
     args = parser.parse_args(argv)
     algo = "PPO" if args.ppo else "GRPO"
-    print(f"{algo} quickstart, {args.seeds} seed(s); machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"{algo} quickstart, {args.seeds} seed(s); machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True
+    )
     results = []
     for seed in range(args.seeds):
         results.append(run_seed(seed, f"{args.run_dir}/seed{seed}", args.ppo, args.overrides))

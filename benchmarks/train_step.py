@@ -13,6 +13,7 @@ the padded batch, `log_softmax` + gather, the entropy statistic, the same PPO-cl
 step each, then the best of --steps. Prints tokens/s, the ratio megarl / baseline, and MFU (model FLOPs 6·N·T + causal attention, over the
 GPU's dense bf16 peak) when CUDA is present.
 """
+
 import argparse
 import tempfile
 import time
@@ -34,12 +35,18 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
     for r in range(rows):
         p = prompt // 2 + int(torch.randint(0, prompt // 2 + 1, (1,), generator=gen))
         t = response // 2 + int(torch.randint(0, response // 2 + 1, (1,), generator=gen))
-        mask[r, prompt - p:prompt + t] = 1
+        mask[r, prompt - p : prompt + t] = 1
         response_mask[r, :t] = 1
     ids = torch.randint(3, vocab, mask.shape, generator=gen) * mask
-    return Batch({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
-                  "old_log_probs": -torch.rand(rows, response, generator=gen) * 5,
-                  "advantages": torch.randn(rows, response, generator=gen)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "response_mask": response_mask,
+            "old_log_probs": -torch.rand(rows, response, generator=gen) * 5,
+            "advantages": torch.randn(rows, response, generator=gen),
+        }
+    )
 
 
 def model_flops(hf_path, batch: Batch) -> float:
@@ -72,8 +79,8 @@ def _actor(hf_path, args):
     from megarl.engine.config import EngineConfig, OptimConfig
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.parallel import build_role_groups, init_global_state
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     layout = ParallelLayout(tp=args.tp)
     groups = build_role_groups(layout)
@@ -109,18 +116,24 @@ def _hf_step_fn(hf_path, batch: Batch):
 
 def _hf_step(model, optimizer, t):
     from megarl.algorithms import (
-        LossAggregation, PolicyLossConfig, PolicyLossInputs, entropy_from_logits, get_policy_loss,
+        LossAggregation,
+        PolicyLossConfig,
+        PolicyLossInputs,
+        entropy_from_logits,
+        get_policy_loss,
     )
 
     response = t["response_mask"].shape[1]
     positions = (t["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     logits = model(t["input_ids"], attention_mask=t["attention_mask"], position_ids=positions).logits
-    logits = logits[:, -response - 1:-1].float()
+    logits = logits[:, -response - 1 : -1].float()
     log_probs = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, -response:].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # the entropy statistic every actor update reports (megarl's head computes it too)
         entropy_from_logits(logits)
     inputs = PolicyLossInputs(log_probs, t["old_log_probs"], t["advantages"], t["response_mask"])
-    loss, _ = get_policy_loss("ppo_clip")(inputs, PolicyLossConfig(), LossAggregation.for_batch("token-mean", t["response_mask"]))
+    loss, _ = get_policy_loss("ppo_clip")(
+        inputs, PolicyLossConfig(), LossAggregation.for_batch("token-mean", t["response_mask"])
+    )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -129,8 +142,10 @@ def _hf_step(model, optimizer, t):
 
 def report(args, hf_path, batch, ours, base) -> None:
     tokens = int(batch["attention_mask"].sum())
-    print(f"model: {args.arch} layers={args.layers} hidden={args.hidden} vocab={args.vocab}; batch {args.rows} rows,"
-          f" {tokens} real tokens of {batch['input_ids'].numel()} (padded); tp={args.tp} threads={args.threads}")
+    print(
+        f"model: {args.arch} layers={args.layers} hidden={args.hidden} vocab={args.vocab}; batch {args.rows} rows,"
+        f" {tokens} real tokens of {batch['input_ids'].numel()} (padded); tp={args.tp} threads={args.threads}"
+    )
     for name, result in (("megarl engine", ours), ("transformers ", base)):
         line = f"  {name}: {tokens / result['seconds']:10.0f} tokens/s  ({result['seconds'] * 1e3:.0f} ms/step)"
         if torch.cuda.is_available():
@@ -151,19 +166,39 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         hf_path = Path(tmp) / args.arch
-        save_tiny_hf_model(args.arch, hf_path, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                           num_kv_heads=args.kv_heads, intermediate_size=4 * args.hidden, vocab_size=args.vocab)
+        save_tiny_hf_model(
+            args.arch,
+            hf_path,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=4 * args.hidden,
+            vocab_size=args.vocab,
+        )
         batch = synthetic_batch(args.rows, args.prompt, args.response, args.vocab)
-        result = run_distributed(bench_rank, args.tp, str(hf_path), batch, args,
-                                 num_threads=max(1, args.threads // args.tp))[0]
+        result = run_distributed(
+            bench_rank, args.tp, str(hf_path), batch, args, num_threads=max(1, args.threads // args.tp)
+        )[0]
         report(args, hf_path, batch, result["megarl"], result["transformers"])
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("layers", 4), ("hidden", 256), ("heads", 4), ("kv-heads", 2), ("vocab", 32000),
-                          ("rows", 16), ("prompt", 64), ("response", 192), ("micro-batch-tokens", 2048),
-                          ("steps", 3), ("tp", 1), ("threads", 2)):
+    for name, default in (
+        ("layers", 4),
+        ("hidden", 256),
+        ("heads", 4),
+        ("kv-heads", 2),
+        ("vocab", 32000),
+        ("rows", 16),
+        ("prompt", 64),
+        ("response", 192),
+        ("micro-batch-tokens", 2048),
+        ("steps", 3),
+        ("tp", 1),
+        ("threads", 2),
+    ):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak (default: by name)")

@@ -31,6 +31,7 @@ better; 1.0 would be a sync as fast as copying the weights once in memory). Chec
 timing, that the gathered tensors equal the bridge's reference export and that the engines hold
 the checkpoint's tensors bit for bit after a sync.
 """
+
 import argparse
 import os
 import tempfile
@@ -47,10 +48,12 @@ def model_config(quick: bool):
     from megarl.testing.models import tiny_hf_config
 
     if quick:
-        return tiny_hf_config("llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                              intermediate_size=704)
-    return tiny_hf_config("llama", vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4,
-                          intermediate_size=2048)
+        return tiny_hf_config(
+            "llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704
+        )
+    return tiny_hf_config(
+        "llama", vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, intermediate_size=2048
+    )
 
 
 def write_checkpoint(quick: bool, path: str) -> None:
@@ -100,8 +103,10 @@ def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
     from megarl.rollout.embedded import EmbeddedEngine
     from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
 
-    engines = {"in-process": EmbeddedEngine(hf_dir),
-               "broadcast": BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600))}
+    engines = {
+        "in-process": EmbeddedEngine(hf_dir),
+        "broadcast": BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600)),
+    }
     if use_vllm:
         from megarl.rollout.vllm_engine import VLLMEngine
 
@@ -144,8 +149,11 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     rss_growth = _max_rss_mb() - rss_before
     check = _check_against_reference(fast, bridge, chunks, pp_rank)
     engines = make_engines(hf_dir, port, use_vllm, fast.bucket_bytes) if rank == 0 else {}
-    paths = {"gather": _consume(fast), "in-process": lambda: sync_in_process(fast, engines.get("in-process")),
-             "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast"))}
+    paths = {
+        "gather": _consume(fast),
+        "in-process": lambda: sync_in_process(fast, engines.get("in-process")),
+        "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast")),
+    }
     if use_vllm:
         paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc"))
         paths["ipc-fresh"] = lambda: sync_ipc(fresh_shm, engines.get("ipc"))
@@ -161,18 +169,27 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     engines["broadcast"].close()
     if "ipc" in engines:
         engines["ipc"].shutdown()
-    return dict(times={k: min(v) for k, v in times.items()}, total=total, hf_bytes=hf_bytes,
-                buckets=len(fast.plan.buckets), per_param_buckets=len(per_param.plan.buckets),
-                largest_bucket=max(b.nbytes for b in fast.plan.buckets), check=check, engines_exact=engines_exact,
-                params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
-                exchanges=fast.metadata_exchanges, rss_growth=rss_growth,
-                kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20)
+    return dict(
+        times={k: min(v) for k, v in times.items()},
+        total=total,
+        hf_bytes=hf_bytes,
+        buckets=len(fast.plan.buckets),
+        per_param_buckets=len(per_param.plan.buckets),
+        largest_bucket=max(b.nbytes for b in fast.plan.buckets),
+        check=check,
+        engines_exact=engines_exact,
+        params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
+        exchanges=fast.metadata_exchanges,
+        rss_growth=rss_growth,
+        kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20,
+    )
 
 
 def _consume(manager):
     def run():
         for _name, _tensor in manager.iter_weights():
             pass  # an engine would copy `tensor` into its parameter here
+
     return run
 
 
@@ -192,6 +209,7 @@ def _baselines(rank: int, total: int, hf_bytes: int) -> dict:
             dist.send(wire, dst=0)
         elif rank == 0:
             dist.recv(wire, src=2)
+
     return {"copy": copy, "send": send}
 
 
@@ -206,8 +224,10 @@ def _engines_hold_checkpoint(paths, engines, hf_dir) -> dict:
         return {}
     checkpoint = load_file(os.path.join(hf_dir, "model.safetensors"))
     params = engines["in-process"]._params
-    return {"in-process": params.keys() == checkpoint.keys() and all(torch.equal(params[n], t)
-                                                                      for n, t in checkpoint.items())}
+    return {
+        "in-process": params.keys() == checkpoint.keys()
+        and all(torch.equal(params[n], t) for n, t in checkpoint.items())
+    }
 
 
 def _max_rss_mb() -> float:
@@ -236,6 +256,7 @@ def _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank):
         if rank == 0:
             for _name, shape in remote:
                 dist.recv(torch.empty(shape), src=leader_of_stage1)
+
     return run
 
 
@@ -257,23 +278,40 @@ def _check_against_reference(manager, bridge, chunks, pp_rank):
 
 def report(result, bucket_mb: float) -> None:
     gb = result["hf_bytes"] / 1e9
-    print(f"model: {result['params'] / 1e6:.1f}M parameters; {result['total'] / 1e9:.3f} GB gathered at TP2×PP2 →"
-          f" {gb:.3f} GB of HF tensors (fp32) on the rollout rank")
-    print(f"plan: {result['buckets']} buckets of ≤ {bucket_mb:g} MiB (largest {result['largest_bucket'] / 2**20:.1f}"
-          f" MiB); per-param plan: {result['per_param_buckets']} buckets; metadata exchanges: {result['exchanges']}")
-    print(f"gathered tensors equal the bridge's reference export: {result['check']};"
-          f" engines hold the checkpoint bit for bit: {result['engines_exact']}")
-    print(f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
-          f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)")
+    print(
+        f"model: {result['params'] / 1e6:.1f}M parameters; {result['total'] / 1e9:.3f} GB gathered at TP2×PP2 →"
+        f" {gb:.3f} GB of HF tensors (fp32) on the rollout rank"
+    )
+    print(
+        f"plan: {result['buckets']} buckets of ≤ {bucket_mb:g} MiB (largest {result['largest_bucket'] / 2**20:.1f}"
+        f" MiB); per-param plan: {result['per_param_buckets']} buckets; metadata exchanges: {result['exchanges']}"
+    )
+    print(
+        f"gathered tensors equal the bridge's reference export: {result['check']};"
+        f" engines hold the checkpoint bit for bit: {result['engines_exact']}"
+    )
+    print(
+        f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
+        f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)"
+    )
     print(f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB")
     t = result["times"]
     for name, seconds in t.items():
-        print(f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}")
-    print("ratio vs copy (bytes/s): " + "   ".join(f"{name} {t['copy'] / t[name]:.3f}"
-                                                 for name in ("gather", "in-process", "ipc", "ipc-fresh", "broadcast")
-                                                 if name in t))
-    print(f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"
-          f" {t['naive'] / t['gather']:.2f}x   over per-param: {t['per-param'] / t['gather']:.2f}x")
+        print(
+            f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}"
+        )
+    print(
+        "ratio vs copy (bytes/s): "
+        + "   ".join(
+            f"{name} {t['copy'] / t[name]:.3f}"
+            for name in ("gather", "in-process", "ipc", "ipc-fresh", "broadcast")
+            if name in t
+        )
+    )
+    print(
+        f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"
+        f" {t['naive'] / t['gather']:.2f}x   over per-param: {t['per-param'] / t['gather']:.2f}x"
+    )
 
 
 def main():
@@ -298,8 +336,18 @@ def main():
         receiver = mp.get_context("spawn").Process(target=broadcast_receiver, args=(hf_dir, port, args.threads))
         receiver.start()
         try:
-            result = run_distributed(bench_rank, 4, args.quick, args.bucket_mb, args.repeats, hf_dir, port, use_vllm,
-                                     num_threads=args.threads, timeout=3600)[0]
+            result = run_distributed(
+                bench_rank,
+                4,
+                args.quick,
+                args.bucket_mb,
+                args.repeats,
+                hf_dir,
+                port,
+                use_vllm,
+                num_threads=args.threads,
+                timeout=3600,
+            )[0]
         finally:
             receiver.join(timeout=60)
             if receiver.is_alive():

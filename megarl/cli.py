@@ -3,6 +3,7 @@
 Owns: argument parsing and turning the library's validation errors into one clear line and a
 non-zero exit code (no traceback for bad input). The work itself lives in the library.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ def _add_layout(parser: argparse.ArgumentParser, default_help: str) -> None:
     parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {default_help}")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per PP rank")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel size (MoE models; experts split over ep data-parallel ranks)")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (MoE models; experts split over ep data-parallel ranks)"
+    )
 
 
 def _layout(args) -> ParallelLayout:
@@ -35,8 +37,12 @@ def _convert_parser(sub) -> None:
     to_mcore = direction.add_parser("hf-to-mcore", help="HF safetensors → megatron-core distributed checkpoint")
     to_mcore.add_argument("--hf-path", required=True)
     to_mcore.add_argument("--mcore-path", required=True)
-    to_mcore.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                          help="storage dtype (default: the HF config's dtype)")
+    to_mcore.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="storage dtype (default: the HF config's dtype)",
+    )
     _add_layout(to_mcore, "of the written checkpoint's source layout")
     to_hf = direction.add_parser("mcore-to-hf", help="megatron-core distributed checkpoint → HF safetensors")
     to_hf.add_argument("--mcore-path", required=True)
@@ -56,23 +62,39 @@ def _parity_parser(sub) -> None:
 
 
 def _config_parser(sub) -> None:
-    config = sub.add_parser("config", help="print the resolved run config (defaults <- YAML <- overrides) and validate it")
+    config = sub.add_parser(
+        "config", help="print the resolved run config (defaults <- YAML <- overrides) and validate it"
+    )
     config.add_argument("config", help="YAML file of overrides (configs/*.yaml)")
-    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.samples_per_prompt=8")
+    config.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.samples_per_prompt=8"
+    )
     config.add_argument("--validate-only", action="store_true", help="print only the derived sizes, not the YAML")
     config.add_argument("--explain", action="store_true", help="put each field's docstring above it")
-    config.add_argument("--no-check-paths", action="store_true",
-                        help="skip checks that read local files (HF config.json, data): paths that exist only on the cluster")
+    config.add_argument(
+        "--no-check-paths",
+        action="store_true",
+        help="skip checks that read local files (HF config.json, data): paths that exist only on the cluster",
+    )
 
 
 def _plan_parser(sub) -> None:
-    plan = sub.add_parser("plan", help="predict memory per role/GPU and time per phase of a layout; --search ranks layouts")
+    plan = sub.add_parser(
+        "plan", help="predict memory per role/GPU and time per phase of a layout; --search ranks layouts"
+    )
     plan.add_argument("--config", help="YAML file of overrides (configs/*.yaml); default: the built-in defaults")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.layout.tp=4 rollout.tp=2")
-    plan.add_argument("--hf-config", help="model: HF directory / config.json, or a preset name (default: model.hf_path)")
+    plan.add_argument(
+        "--hf-config", help="model: HF directory / config.json, or a preset name (default: model.hf_path)"
+    )
     plan.add_argument("--gpu", default="H100", help="hardware table entry: H100, H200, A100, B200")
-    for name, unit in (("hbm-gb", "GB"), ("tflops", "TFLOP/s bf16"), ("hbm-tbps", "TB/s"), ("nvlink-gbps", "GB/s"),
-                       ("network-gbps", "GB/s per GPU")):
+    for name, unit in (
+        ("hbm-gb", "GB"),
+        ("tflops", "TFLOP/s bf16"),
+        ("hbm-tbps", "TB/s"),
+        ("nvlink-gbps", "GB/s"),
+        ("network-gbps", "GB/s per GPU"),
+    ):
         plan.add_argument(f"--{name}", type=float, help=f"override the table's value ({unit})")
     plan.add_argument("--mfu", type=float, default=0.35, help="Megatron MFU (benchmarks/train_step.py measures it)")
     plan.add_argument("--search", action="store_true", help="rank every valid layout for the GPU count")
@@ -90,8 +112,11 @@ def _train_parser(sub) -> None:
 def _simulate_parser(sub) -> None:
     from megarl.utils.simulate.command import add_arguments
 
-    simulate = sub.add_parser("simulate", help="predict sync vs async samples/s of a cluster layout (discrete-event "
-                              "model; --preset 7b-64gpu or --calibrate RUN_DIR)")
+    simulate = sub.add_parser(
+        "simulate",
+        help="predict sync vs async samples/s of a cluster layout (discrete-event "
+        "model; --preset 7b-64gpu or --calibrate RUN_DIR)",
+    )
     add_arguments(simulate)
 
 
@@ -115,8 +140,9 @@ def _run_convert(args) -> int:
     from megarl.models import convert
 
     if args.direction == "hf-to-mcore":
-        result = convert.hf_to_mcore(args.hf_path, args.mcore_path, _layout(args), dtype=args.dtype,
-                                     overwrite=args.overwrite)
+        result = convert.hf_to_mcore(
+            args.hf_path, args.mcore_path, _layout(args), dtype=args.dtype, overwrite=args.overwrite
+        )
         message = f"wrote megatron checkpoint {args.mcore_path} ({result['model_type']}, {result['dtype']})"
     else:
         result = convert.mcore_to_hf(args.mcore_path, args.hf_path, _layout(args), overwrite=args.overwrite)
@@ -171,7 +197,9 @@ def _plan_config(args):
     if args.gpus:
         res = cfg.resources
         if res.pools:
-            raise ValueError("--gpus resizes the one default pool; this config sets resources.pools: edit those instead")
+            raise ValueError(
+                "--gpus resizes the one default pool; this config sets resources.pools: edit those instead"
+            )
         if args.gpus > res.gpus_per_node and args.gpus % res.gpus_per_node:
             raise ValueError(f"--gpus={args.gpus} is not a multiple of resources.gpus_per_node={res.gpus_per_node}")
         res.nodes, res.gpus_per_node = max(1, args.gpus // res.gpus_per_node), min(args.gpus, res.gpus_per_node)
@@ -181,13 +209,18 @@ def _plan_config(args):
 def _run_plan(args) -> int:
     import json
 
-    from megarl.plan import Assumptions, gpu_spec, plan_run, resolve_dims
-    from megarl.plan import report
+    from megarl.plan import Assumptions, gpu_spec, plan_run, report, resolve_dims
     from megarl.plan.search import search
 
     cfg = _plan_config(args)
-    gpu = gpu_spec(args.gpu, hbm_gb=args.hbm_gb, tflops=args.tflops, hbm_tbps=args.hbm_tbps,
-                   nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
+    gpu = gpu_spec(
+        args.gpu,
+        hbm_gb=args.hbm_gb,
+        tflops=args.tflops,
+        hbm_tbps=args.hbm_tbps,
+        nvlink_gbps=args.nvlink_gbps,
+        network_gbps=args.network_gbps,
+    )
     if not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu={args.mfu} must be in (0, 1]")
     dims, assumptions = resolve_dims(cfg.model.hf_path), Assumptions(mfu=args.mfu)
@@ -195,8 +228,11 @@ def _run_plan(args) -> int:
         found = search(cfg, dims, gpu, assumptions)
         if not found:
             raise ValueError("no valid layout for these GPUs and batch sizes (see `megarl config --validate-only`)")
-        print(json.dumps(report.search_json(found, args.top), indent=1) if args.json else
-              report.format_search(found, args.top))
+        print(
+            json.dumps(report.search_json(found, args.top), indent=1)
+            if args.json
+            else report.format_search(found, args.top)
+        )
         return 0
     plan = plan_run(cfg, dims, gpu, assumptions)
     print(json.dumps(report.plan_json(plan), indent=1) if args.json else report.format_plan(plan))
@@ -234,8 +270,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    handlers = {"train": _run_train, "convert": _run_convert, "check-parity": _run_parity, "config": _run_config,
-                "plan": _run_plan, "simulate": _run_simulate}
+    handlers = {
+        "train": _run_train,
+        "convert": _run_convert,
+        "check-parity": _run_parity,
+        "config": _run_config,
+        "plan": _run_plan,
+        "simulate": _run_simulate,
+    }
     # Ctrl-C works even where SIGINT was inherited ignored (`cmd &` in a script); `train` stops
     # gracefully on the first SIGINT/SIGTERM and at once on a second one
     with GracefulStop() if args.command == "train" else SigintRearmed():

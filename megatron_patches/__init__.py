@@ -19,6 +19,7 @@ the versions it was checked against and when it can go; README.md has the table)
   5. tensor_type_names  tensor.type() reports "torch.cuda.FloatTensor" for CPU float tensors
   6. moe_dispatch       MoE all-to-all dispatcher: CPU split sizes → host arrays for all_to_all_single
 """
+
 from __future__ import annotations
 
 import os

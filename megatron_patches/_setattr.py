@@ -3,6 +3,7 @@
 Every patch records the original attribute it replaces, so `remove_cpu_patches()` can restore
 exactly what was there (including attributes that did not exist before).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,13 @@ class AttrPatcher:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)
-                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
+        self._saved.append(
+            (
+                owner,
+                name,
+                owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING),
+            )
+        )
         setattr(owner, name, value)
 
     def restore(self) -> None:

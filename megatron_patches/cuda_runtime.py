@@ -36,6 +36,7 @@ Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core guards these with `torch.cuda.is_available()` or uses the
   device-generic `torch.accelerator` / `torch.Stream` / `torch.Event` APIs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -163,9 +164,18 @@ def _ram() -> tuple[int, int]:
 
 def _device_properties(device=None) -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        name="cpu", type="cpu", total_memory=_ram()[1], multi_processor_count=os.cpu_count() or 1,
-        major=0, minor=0, is_integrated=False, is_multi_gpu_board=False, L2_cache_size=0,
-        warp_size=1, gcnArchName="", uuid="cpu",
+        name="cpu",
+        type="cpu",
+        total_memory=_ram()[1],
+        multi_processor_count=os.cpu_count() or 1,
+        major=0,
+        minor=0,
+        is_integrated=False,
+        is_multi_gpu_board=False,
+        L2_cache_size=0,
+        warp_size=1,
+        gcnArchName="",
+        uuid="cpu",
     )
 
 

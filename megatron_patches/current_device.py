@@ -23,6 +23,7 @@ Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core takes its device from `torch.accelerator.current_accelerator()`
   or from a config field instead of `torch.cuda.current_device()`.
 """
+
 from __future__ import annotations
 
 import torch

@@ -30,6 +30,7 @@ Removable when: megatron-core takes the device from a config/argument everywhere
   for most parameters via `torch.cuda.current_device()`, see patch 2), or torch's
   `torch.accelerator` API is used throughout so that a CPU "accelerator" works natively.
 """
+
 from __future__ import annotations
 
 import contextlib

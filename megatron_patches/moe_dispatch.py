@@ -17,6 +17,7 @@ Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21: EP2 and TP
 Removable when: `maybe_move_tensor_to_cpu` converts host tensors too (or the dispatcher calls
   `.tolist()` on the splits).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,9 @@ def apply() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     if not _patcher:
-        _patcher.set(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits(token_dispatcher.maybe_move_tensor_to_cpu))
+        _patcher.set(
+            token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits(token_dispatcher.maybe_move_tensor_to_cpu)
+        )
 
 
 def remove() -> None:

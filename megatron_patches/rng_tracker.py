@@ -24,6 +24,7 @@ Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core's tracker takes the generator of the active device (e.g. via
   `torch.accelerator` / `torch.get_device_module`) instead of hard-coding `torch.cuda`.
 """
+
 from __future__ import annotations
 
 import logging

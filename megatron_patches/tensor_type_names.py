@@ -12,6 +12,7 @@ Why the math is unchanged: only the reported name changes; dtypes and values are
 Checked against: megatron-core 0.19.2 (torch 2.13.0+cpu), 2026-11-21.
 Removable when: megatron-core checks `tensor.dtype` instead of `tensor.type()` strings.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,13 +22,13 @@ from megatron_patches import device_mode
 
 def _cuda_name(name: str) -> str:
     if name.startswith("torch.") and not name.startswith(("torch.cuda.", "torch.sparse.")):
-        return "torch.cuda." + name[len("torch."):]
+        return "torch.cuda." + name[len("torch.") :]
     return name
 
 
 def _cpu_type(t):
     if isinstance(t, str) and t.startswith("torch.cuda."):
-        return "torch." + t[len("torch.cuda."):]
+        return "torch." + t[len("torch.cuda.") :]
     if isinstance(t, type) and t.__module__ == "torch.cuda" and hasattr(torch, t.__name__):
         return getattr(torch, t.__name__)
     return t

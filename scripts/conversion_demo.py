@@ -7,6 +7,7 @@ Steps, each printed: build a tiny Qwen2 from a config (no download) and save it;
 logits against transformers at TP2×PP2; convert to a megatron distributed checkpoint at TP2×PP2;
 convert back at TP1; compare every tensor bit for bit.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ Extra flags are passed to the task's generator (arithmetic: --max-operand, --ops
 countdown: --num-numbers, --max-number, --max-target); --raw writes raw-string prompts
 instead of chat messages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     kwargs = {k: v for k, v in vars(args).items() if k in _TASK_FLAGS[args.task] and v is not None}
     if "ops" in kwargs:
         kwargs["ops"] = tuple(kwargs["ops"])
-    paths = write_task_splits(args.task, args.n, args.out, seed=args.seed, test_fraction=args.test_fraction,
-                              chat=not args.raw, **kwargs)
+    paths = write_task_splits(
+        args.task, args.n, args.out, seed=args.seed, test_fraction=args.test_fraction, chat=not args.raw, **kwargs
+    )
     print(f"wrote {paths['train']} and {paths['test']}")
     return paths
 

@@ -13,6 +13,7 @@
    (exact answer) is what tells the two apart: RL removes the habit, imitation cannot.
 The greedy test accuracy and the share of greedy answers off by one are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,21 @@ def build_model(model_dir: Path, seed: int):
     tok = build_tiny_tokenizer()
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_tiny_hf_model("qwen2", model_dir, seed=seed, vocab_size=len(tok), hidden_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=4, intermediate_size=256, tokenizer=tok,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        model_dir,
+        seed=seed,
+        vocab_size=len(tok),
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=256,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return tok
 
 
@@ -44,8 +57,9 @@ def parse_args(argv):
     parser.add_argument("--train-rows", type=int, default=4000, help="train rows (problems repeat)")
     parser.add_argument("--test-problems", type=int, default=200, help="distinct held-out problems")
     parser.add_argument("--sft-steps", type=int, default=800, help="warm-up steps (0: none)")
-    parser.add_argument("--teacher-error", type=float, default=0.7,
-                        help="share of warm-up answers off by one (0: a clean teacher)")
+    parser.add_argument(
+        "--teacher-error", type=float, default=0.7, help="share of warm-up answers off by one (0: a clean teacher)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="model init, data and warm-up")
     return parser.parse_args(argv)
 
@@ -62,20 +76,27 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     tok = build_model(Path(args.model), args.seed)
     n = args.train_rows + args.test_problems
-    paths = write_task_splits("arithmetic", n, args.data, seed=args.seed, test_fraction=args.test_problems / n,
-                              holdout="problems", **TASK)
+    paths = write_task_splits(
+        "arithmetic", n, args.data, seed=args.seed, test_fraction=args.test_problems / n, holdout="problems", **TASK
+    )
     train_rows, test_rows = (load_rows(paths[split])[0] for split in ("train", "test"))
     train = sft_examples(off_by_one_teacher(train_rows, args.teacher_error, seed=args.seed), tok)
-    losses = sft_warmup(args.model, train, steps=args.sft_steps, batch_size=128, lr=3e-3, seed=args.seed,
-                        lr_decay=True) if args.sft_steps else []
+    losses = (
+        sft_warmup(args.model, train, steps=args.sft_steps, batch_size=128, lr=3e-3, seed=args.seed, lr_decay=True)
+        if args.sft_steps
+        else []
+    )
     test = sft_examples(test_rows, tok)
     answers = [tok.decode(a, skip_special_tokens=True) for a in greedy_answers(args.model, test)]
     accuracy = sum(a == r["ground_truth"] for a, r in zip(answers, test_rows)) / len(test_rows)
     off_by_one = sum(a == str(int(r["ground_truth"]) + 1) for a, r in zip(answers, test_rows)) / len(test_rows)
     loss = f", final loss {losses[-1]:.3f}" if losses else ""
-    print(f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
-          f" greedy test accuracy {accuracy:.2f}, answers off by one {off_by_one:.2f}"
-          f" ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
+        f" greedy test accuracy {accuracy:.2f}, answers off by one {off_by_one:.2f}"
+        f" ({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     return {"model": args.model, **paths, "sft_accuracy": accuracy, "sft_off_by_one": off_by_one}
 
 

@@ -15,6 +15,7 @@
    to calling.
 The share of greedy first turns that call the tool is printed (greedy decoding with transformers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,22 @@ def build_model(model_dir: Path, seed: int):
     tok = build_tiny_tokenizer(chat_template="compact_tools")
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_tiny_hf_model("qwen2", model_dir, seed=seed, vocab_size=len(tok), hidden_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=4, intermediate_size=256, max_position_embeddings=512,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        model_dir,
+        seed=seed,
+        vocab_size=len(tok),
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return tok
 
 
@@ -48,8 +61,12 @@ def parse_args(argv):
     parser.add_argument("--train-rows", type=int, default=4000, help="train problems")
     parser.add_argument("--test-problems", type=int, default=128, help="distinct held-out problems")
     parser.add_argument("--sft-steps", type=int, default=600, help="warm-up steps (0: none)")
-    parser.add_argument("--call-share", type=float, default=0.2,
-                        help="share of demonstrations that call the calculator (the rest guess)")
+    parser.add_argument(
+        "--call-share",
+        type=float,
+        default=0.2,
+        help="share of demonstrations that call the calculator (the rest guess)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="model init, data and warm-up")
     return parser.parse_args(argv)
 
@@ -78,17 +95,24 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     tok = build_model(Path(args.model), args.seed)
     n = args.train_rows + args.test_problems
-    paths = write_task_splits("tool_arithmetic", n, args.data, seed=args.seed, test_fraction=args.test_problems / n,
-                              holdout="problems")
+    paths = write_task_splits(
+        "tool_arithmetic", n, args.data, seed=args.seed, test_fraction=args.test_problems / n, holdout="problems"
+    )
     train_rows, test_rows = (load_rows(paths[split])[0] for split in ("train", "test"))
     schemas = ToolSet.from_yaml(TOOLS_YAML).schemas()
     train = tool_call_examples(train_rows, tok, schemas, call_share=args.call_share, seed=args.seed)
-    losses = sft_warmup(args.model, train, steps=args.sft_steps, batch_size=64, lr=3e-3, seed=args.seed,
-                        lr_decay=True) if args.sft_steps else []
+    losses = (
+        sft_warmup(args.model, train, steps=args.sft_steps, batch_size=64, lr=3e-3, seed=args.seed, lr_decay=True)
+        if args.sft_steps
+        else []
+    )
     calls = first_turn_calls(args.model, test_rows, tok, schemas)
     loss = f", final loss {losses[-1]:.3f}" if losses else ""
-    print(f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
-          f" greedy first turns that call the tool {calls:.2f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
+        f" greedy first turns that call the tool {calls:.2f} ({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     return {"model": args.model, **paths, "sft_first_turn_calls": calls}
 
 

@@ -7,6 +7,7 @@
 
 The split name is the input file's stem unless --split is given. Reads .jsonl, .json or .parquet.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@
 
 Rows whose solution has no `\\boxed{}` are skipped and counted. Reads .jsonl, .json or .parquet.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,14 @@
 """The long tail rots first (STYLE.md): no function in the shipped code grows past 80 lines, no module
-past 500, and the package's import graph has no circle and no upward import between its layers."""
+past 500, the package's import graph has no circle and no upward import between its layers, and
+the whole tree passes ruff (lint and format check, rules in ruff.toml)."""
+
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("megarl", "megatron_patches", "tools", "benchmarks", "scripts")
@@ -42,15 +48,20 @@ def test_no_function_over_80_lines():
 
 
 def test_no_module_over_500_lines():
-    too_long = [f"{p.relative_to(REPO)} ({n} lines)" for p in _shipped_files()
-                if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    too_long = [
+        f"{p.relative_to(REPO)} ({n} lines)"
+        for p in _shipped_files()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
     assert not too_long, "split these modules: " + ", ".join(too_long)
 
 
 def _module_imports() -> dict[str, set[str]]:
     """megarl module -> the megarl modules it imports (module level or inside functions)."""
-    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in (REPO / "megarl").rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (REPO / "megarl").rglob("*.py")
+    }
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -69,8 +80,12 @@ def _package(module: str) -> str:
 
 def test_packages_import_only_their_own_layer_or_lower():
     layer = {package: i for i, packages in enumerate(LAYERS) for package in packages}
-    upward = sorted(f"{m} -> {t}" for m, targets in _module_imports().items() for t in targets
-                    if layer.get(_package(t), -1) > layer.get(_package(m), len(LAYERS)))
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in _module_imports().items()
+        for t in targets
+        if layer.get(_package(t), -1) > layer.get(_package(m), len(LAYERS))
+    )
     unknown = sorted({_package(m) for m in _module_imports()} - set(layer) - {"megarl"})
     assert not unknown, f"give these packages a layer in LAYERS: {unknown}"
     assert not upward, "imports from a higher layer: " + ", ".join(upward)
@@ -86,7 +101,7 @@ def test_no_import_circle_between_modules():
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -95,3 +110,10 @@ def test_no_import_circle_between_modules():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import circles: " + "; ".join(cycles)
+
+
+@pytest.mark.parametrize("command", [["check", "--no-fix"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_is_clean(command):
+    """Fix with: .venv/bin/ruff format . && .venv/bin/ruff check --fix ."""
+    done = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

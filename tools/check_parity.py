@@ -6,6 +6,7 @@
 Prints the max |Δlogit| and whether it is within tolerance (exit code 1 when it is not).
 Same as `megarl check-parity ...`.
 """
+
 import sys
 
 from megarl.cli import main

@@ -10,6 +10,7 @@ Single-process runs spawn the tp*pp*ep ranks they need (EP is carved out of data
 under torchrun the world size must be a multiple of tp*pp, with ep dividing the DP size. Same as
 `megarl convert ...`.
 """
+
 import sys
 
 from megarl.cli import main

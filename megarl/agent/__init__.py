@@ -23,9 +23,19 @@ recorded through `openai_server.ChatServer`). Config: `megarl.agent.config.Agent
 Imports torch (the rollout contract) and the standard library at import time; bm25s, jsonschema,
 FastAPI / uvicorn and openai only where used. Never imports megatron, vLLM or Ray, nor the trainer.
 """
+
 from megarl.agent import env_loop, openai_agent, single_turn, tool_agent  # noqa: F401 - register the loops
-from megarl.agent.base import (AGENT_LOOPS, AgentContext, AgentLLM, AgentSample, EngineLLM, get_agent_loop,
-                               register_agent_loop, run_agent, run_agents)
+from megarl.agent.base import (
+    AGENT_LOOPS,
+    AgentContext,
+    AgentLLM,
+    AgentSample,
+    EngineLLM,
+    get_agent_loop,
+    register_agent_loop,
+    run_agent,
+    run_agents,
+)
 from megarl.agent.config import AgentConfig
 from megarl.agent.env_loop import ENVIRONMENTS, Environment, StepResult
 from megarl.agent.parsers import TOOL_PARSERS, Parsed, ToolCall
@@ -33,7 +43,30 @@ from megarl.agent.replay import ReplayLLM
 from megarl.agent.tools import TOOLS, Tool, ToolResult, ToolSet
 from megarl.agent.trajectory import FINISH_REASONS, Trajectory, Turn, summarize
 
-__all__ = ["AGENT_LOOPS", "AgentConfig", "AgentContext", "AgentLLM", "AgentSample", "ENVIRONMENTS", "EngineLLM",
-           "Environment", "FINISH_REASONS", "Parsed", "ReplayLLM", "StepResult", "TOOLS", "TOOL_PARSERS", "Tool",
-           "ToolCall", "ToolResult", "ToolSet", "Trajectory", "Turn", "get_agent_loop", "register_agent_loop",
-           "run_agent", "run_agents", "summarize"]
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentConfig",
+    "AgentContext",
+    "AgentLLM",
+    "AgentSample",
+    "ENVIRONMENTS",
+    "EngineLLM",
+    "Environment",
+    "FINISH_REASONS",
+    "Parsed",
+    "ReplayLLM",
+    "StepResult",
+    "TOOLS",
+    "TOOL_PARSERS",
+    "Tool",
+    "ToolCall",
+    "ToolResult",
+    "ToolSet",
+    "Trajectory",
+    "Turn",
+    "get_agent_loop",
+    "register_agent_loop",
+    "run_agent",
+    "run_agents",
+    "summarize",
+]

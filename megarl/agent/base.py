@@ -13,6 +13,7 @@ Owns:
 Imports the rollout contract (`megarl.rollout.base`: torch) and the standard library; no vLLM, Ray
 or megatron.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,17 @@ OPENAI_AGENTS = Registry("openai agent", ("client", "sample"))
 """User agent functions written against the `openai` client, by name (`megarl.agent.openai_agent`);
 `pkg.module:fn` or `file.py:fn` loads one."""
 
-_ROW_FIELDS = ("input_ids", "raw_prompt", "ground_truth", "data_source", "extra_info", "agent_name", "tools",
-               "dataset_index", "seed")
+_ROW_FIELDS = (
+    "input_ids",
+    "raw_prompt",
+    "ground_truth",
+    "data_source",
+    "extra_info",
+    "agent_name",
+    "tools",
+    "dataset_index",
+    "seed",
+)
 
 
 @dataclass
@@ -75,11 +85,15 @@ class AgentSample:
         return cls(
             messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt],
             prompt_ids=None if ids is None else [int(t) for t in ids],
-            ground_truth=row.get("ground_truth"), data_source=row.get("data_source") or "unknown",
-            extra_info=dict(row.get("extra_info") or {}), agent_name=row.get("agent_name") or None,
-            tools=[t.strip() for t in tools.split(",") if t.strip()] if isinstance(tools, str) else
-            ([str(t) for t in tools] if tools is not None else None),
-            seed=row.get("seed", seed), index=row.get("dataset_index"),
+            ground_truth=row.get("ground_truth"),
+            data_source=row.get("data_source") or "unknown",
+            extra_info=dict(row.get("extra_info") or {}),
+            agent_name=row.get("agent_name") or None,
+            tools=[t.strip() for t in tools.split(",") if t.strip()]
+            if isinstance(tools, str)
+            else ([str(t) for t in tools] if tools is not None else None),
+            seed=row.get("seed", seed),
+            index=row.get("dataset_index"),
             extra={k: v for k, v in row.items() if k not in _ROW_FIELDS and k != "messages"},
         )
 
@@ -143,8 +157,9 @@ class AgentContext:
         """Turn `turn`'s params: at most `max_tokens`, n=1, seed + turn * stride when seeded."""
         base = sample.seed if sample.seed is not None else self.params.seed
         seed = None if base is None else base + turn * self.config.turn_seed_stride
-        return dataclasses.replace(self.params, n=1, max_tokens=max(1, min(self.params.max_tokens, max_tokens)),
-                                   seed=seed)
+        return dataclasses.replace(
+            self.params, n=1, max_tokens=max(1, min(self.params.max_tokens, max_tokens)), seed=seed
+        )
 
 
 def register_agent_loop(*names: str) -> Callable:

@@ -13,6 +13,7 @@ between an assistant turn and the next generation prompt. A template whose rende
 conversation does not start with that of the shorter one cannot give deltas: it fails here, naming
 the template. Imports nothing heavy (the tokenizer is any HF tokenizer).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -27,20 +28,23 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, tools: Optional[Sequence[dict]] = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("agent loops render turns with the tokenizer's chat template, but it has none;"
-                             " use a chat model's tokenizer (or set tokenizer.chat_template)")
+            raise ValueError(
+                "agent loops render turns with the tokenizer's chat template, but it has none;"
+                " use a chat model's tokenizer (or set tokenizer.chat_template)"
+            )
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self._before = self.render(_BASE, generation_prompt=False)
         if SENTINEL not in self._before:
             raise ValueError("the chat template drops assistant content; cannot find where an assistant turn ends")
-        self.turn_end = self._before[self._before.rindex(SENTINEL) + len(SENTINEL):]
+        self.turn_end = self._before[self._before.rindex(SENTINEL) + len(SENTINEL) :]
         """Template text after an assistant turn's content (ChatML: `<|im_end|>\\n`)."""
         self.turn_end_ids = self.encode(self.turn_end)
 
     def render(self, messages: Sequence[dict], *, generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            list(messages), tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -53,10 +57,12 @@ class ChatRenderer:
         """What the template renders for `messages` after an assistant turn, up to the generation prompt."""
         after = self.render(_BASE + list(messages))
         if not after.startswith(self._before):
-            raise ValueError("the chat template renders a conversation differently once messages follow it, so"
-                             " observation tokens cannot be appended as a delta; use a prefix-stable template"
-                             f" (rendered {after[:200]!r}... after {self._before[:200]!r}...)")
-        return after[len(self._before):]
+            raise ValueError(
+                "the chat template renders a conversation differently once messages follow it, so"
+                " observation tokens cannot be appended as a delta; use a prefix-stable template"
+                f" (rendered {after[:200]!r}... after {self._before[:200]!r}...)"
+            )
+        return after[len(self._before) :]
 
     def glue_ids(self, model_ids: Sequence[int]) -> list[int]:
         """The end-of-turn tokens the model did not generate (all of them after a turn cut by length)."""

@@ -2,6 +2,7 @@
 
 Imports only the standard library.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,15 +50,22 @@ class AgentConfig:
     """Seeded sampling: turn t of a trajectory uses seed + t * stride (turn 0 uses the row's seed)."""
 
     def __post_init__(self):
-        for name in ("max_response_tokens", "max_assistant_turns", "max_parallel_calls", "max_tool_response_tokens",
-                     "max_tool_output_chars"):
+        for name in (
+            "max_response_tokens",
+            "max_assistant_turns",
+            "max_parallel_calls",
+            "max_tool_response_tokens",
+            "max_tool_output_chars",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_user_turns", "max_tool_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"AgentConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.tool_response_truncate_side not in TRUNCATE_SIDES:
-            raise ValueError(f"AgentConfig.tool_response_truncate_side must be one of {TRUNCATE_SIDES},"
-                             f" got {self.tool_response_truncate_side!r}")
+            raise ValueError(
+                f"AgentConfig.tool_response_truncate_side must be one of {TRUNCATE_SIDES},"
+                f" got {self.tool_response_truncate_side!r}"
+            )
         if self.tool_timeout_s <= 0:
             raise ValueError(f"AgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")

@@ -6,6 +6,7 @@ says), decodes it, and appends observations as chat-template delta tokens (`Chat
 Loops (`tool_agent`, `env_loop`) decide what to observe and when to stop; this class never does.
 Imports the agent package's own modules only.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,14 +47,21 @@ class Conversation:
         if completion.logprobs is None:
             raise ValueError("agent loops need the engine's log-prob of every token: SamplingParams.logprobs=True")
         text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        turn = traj.add_model_turn(completion.token_ids, completion.logprobs, completion.version, text=text,
-                                   finish_reason=completion.finish_reason, seconds=time.monotonic() - start)
+        turn = traj.add_model_turn(
+            completion.token_ids,
+            completion.logprobs,
+            completion.version,
+            text=text,
+            finish_reason=completion.finish_reason,
+            seconds=time.monotonic() - start,
+        )
         self.last_model_ids = list(completion.token_ids)
         self.messages.append({"role": "assistant", "content": text})
         return turn
 
-    def observe(self, role: str, messages: list[dict], *, seconds: float = 0.0,
-                tool_results: Optional[list[dict]] = None) -> bool:
+    def observe(
+        self, role: str, messages: list[dict], *, seconds: float = 0.0, tool_results: Optional[list[dict]] = None
+    ) -> bool:
         """Append `messages` (tool / user turns) as template delta tokens; False (nothing appended) when
         they and at least one more model token do not fit the budget."""
         ids = self.renderer.observation_ids(self.last_model_ids, messages)

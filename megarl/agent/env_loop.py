@@ -13,6 +13,7 @@ Finish reasons: stop (done, or no observation), max_turns (`max_assistant_turns`
 `max_user_turns` answers), length (budget), error (the environment raised or ran past
 `tool_timeout_s`). Imports the agent package's own modules only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,15 @@ class GuessNumber(Environment):
     """Guess a secret integer in [low, high]; the answer says higher / lower. Reward 1 for the right
     number; `invalid_reward` for a turn without a number. The secret is the row's ground truth (or `secret`)."""
 
-    def __init__(self, sample: AgentSample, *, low: int = 1, high: int = 100, secret: Optional[int] = None,
-                 invalid_reward: float = -0.1):
+    def __init__(
+        self,
+        sample: AgentSample,
+        *,
+        low: int = 1,
+        high: int = 100,
+        secret: Optional[int] = None,
+        invalid_reward: float = -0.1,
+    ):
         super().__init__(sample)
         self.low, self.high, self.invalid_reward = low, high, invalid_reward
         self.secret = int(secret if secret is not None else sample.ground_truth)
@@ -90,8 +98,10 @@ async def _step(env: Environment, messages: list[dict], timeout_s: float) -> Ste
     if isinstance(result, tuple):
         result = StepResult(*result)
     if not isinstance(result, StepResult):
-        raise TypeError(f"{type(env).__name__}.step must return StepResult or (observation, reward, done),"
-                        f" got {type(result).__name__}")
+        raise TypeError(
+            f"{type(env).__name__}.step must return StepResult or (observation, reward, done),"
+            f" got {type(result).__name__}"
+        )
     return result
 
 
@@ -130,7 +140,8 @@ async def _rounds(conv: Conversation, llm: AgentLLM, ctx: AgentContext, env: Env
             return "stop", None
         if conv.trajectory.num_turns >= cfg.max_assistant_turns or user_turns >= cfg.max_user_turns:
             return "max_turns", None
-        if not conv.observe("user", [{"role": "user", "content": result.observation}],
-                            seconds=time.monotonic() - start):
+        if not conv.observe(
+            "user", [{"role": "user", "content": result.observation}], seconds=time.monotonic() - start
+        ):
             return "length", None
         user_turns += 1

@@ -9,6 +9,7 @@ chain of the session is the trajectory (earlier chains, if the code restarted a 
 counted in `openai_chains`). What the function returns lands in `reward_extras['agent_result']`.
 Imports openai lazily.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,15 +31,19 @@ def chat_server(ctx: AgentContext):
 
 
 def _no_default_route(session_id: str):
-    raise ValueError(f"unknown session {session_id!r}: the run's endpoint only serves sessions of running"
-                     " trajectories (send the X-Session-Id header the openai loop gave the client)")
+    raise ValueError(
+        f"unknown session {session_id!r}: the run's endpoint only serves sessions of running"
+        " trajectories (send the X-Session-Id header the openai loop gave the client)"
+    )
 
 
 @register_agent_loop("openai")
 async def openai_loop(sample: AgentSample, llm: AgentLLM, ctx: AgentContext) -> Trajectory:
     """Run the user's openai-client agent on this sample and return what the endpoint recorded."""
     if not ctx.config.openai_agent:
-        raise ValueError("the openai loop needs AgentConfig.openai_agent = 'pkg.module:fn' (rollout.agent.openai_agent)")
+        raise ValueError(
+            "the openai loop needs AgentConfig.openai_agent = 'pkg.module:fn' (rollout.agent.openai_agent)"
+        )
     fn = OPENAI_AGENTS.get(ctx.config.openai_agent)
     server = chat_server(ctx)
     sid = server.open_session(llm, asyncio.get_running_loop())

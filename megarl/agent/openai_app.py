@@ -17,6 +17,7 @@ from megarl.rollout.base import SamplingParams
 class RequestError(ValueError):
     """A bad request: answered with HTTP 400 and the message."""
 
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -38,8 +39,10 @@ def build_app(server):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "megarl"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_name, "object": "model", "created": int(time.time()), "owned_by": "megarl"}],
+        }
 
     return app
 
@@ -55,21 +58,31 @@ def parse_request(body: dict[str, Any], base: SamplingParams) -> dict[str, Any]:
         if not isinstance(m.get("content") or "", str):
             raise RequestError(f"messages[{i}].content must be a string (content parts are not supported)")
     tools = body.get("tools") or None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t
-                                                                      for t in tools)):
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools)
+    ):
         raise RequestError("'tools' must be a list of {type: function, function: {name, parameters}} objects")
     if (body.get("n") or 1) != 1:
         raise RequestError("'n' must be 1: every completion is its own trajectory (send n requests)")
     if body.get("stop"):
         raise RequestError("'stop' strings are not supported: generation stops at the tokenizer's end-of-turn token")
-    return {"messages": messages, "tools": tools, "tool_choice": body.get("tool_choice") or "auto",
-            "params": _params(body, base)}
+    return {
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "params": _params(body, base),
+    }
 
 
 def _params(body: dict, base: SamplingParams) -> SamplingParams:
     fields = {}
-    for key, name in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                      ("max_completion_tokens", "max_tokens"), ("max_tokens", "max_tokens")):
+    for key, name in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("seed", "seed"),
+        ("max_completion_tokens", "max_tokens"),
+        ("max_tokens", "max_tokens"),
+    ):
         if body.get(key) is not None and name not in fields:
             fields[name] = body[key]
     try:

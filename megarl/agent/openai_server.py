@@ -17,6 +17,7 @@ written against the `openai` client can drive a conversation while megarl keeps 
 
 Imports FastAPI and uvicorn (installed with vLLM) lazily, in `start`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,9 +62,18 @@ class _Session:
 class ChatServer:
     """`/v1/chat/completions` over the rollout engines, recording every session's tokens."""
 
-    def __init__(self, tokenizer, *, engine=None, llm_factory: Optional[Callable[[str], AgentLLM]] = None,
-                 config: Optional[AgentConfig] = None, params: Optional[SamplingParams] = None,
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "megarl"):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        engine=None,
+        llm_factory: Optional[Callable[[str], AgentLLM]] = None,
+        config: Optional[AgentConfig] = None,
+        params: Optional[SamplingParams] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "megarl",
+    ):
         if llm_factory is None and engine is None:
             raise ValueError("ChatServer needs an engine or an llm_factory(session_id) -> AgentLLM")
         self.tokenizer = tokenizer
@@ -92,8 +102,9 @@ class ChatServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
-                                        daemon=True, name="megarl-chat-server")
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._server.serve(sockets=[sock])), daemon=True, name="megarl-chat-server"
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -115,8 +126,9 @@ class ChatServer:
         self.stop()
 
     # -- sessions ---------------------------------------------------------------------------------
-    def open_session(self, llm: AgentLLM, loop: Optional[asyncio.AbstractEventLoop] = None,
-                     session_id: Optional[str] = None) -> str:
+    def open_session(
+        self, llm: AgentLLM, loop: Optional[asyncio.AbstractEventLoop] = None, session_id: Optional[str] = None
+    ) -> str:
         """Route session `session_id` (default: the llm's) to `llm`, run on `loop` (default: the server's)."""
         sid = session_id or getattr(llm, "session_id", None) or uuid.uuid4().hex
         with self._guard:
@@ -161,8 +173,9 @@ class ChatServer:
             new = _continuation(chain, messages, tools)
             if new is not None:
                 ids = chain.renderer.observation_ids(chain.last_model_ids, new)
-                chain.trajectory.add_observation(new[0]["role"], ids, text="\n".join(str(m.get("content") or "")
-                                                                                    for m in new))
+                chain.trajectory.add_observation(
+                    new[0]["role"], ids, text="\n".join(str(m.get("content") or "") for m in new)
+                )
                 chain.messages.extend(new)
                 return chain
         renderer = ChatRenderer(self.tokenizer, tools)
@@ -174,8 +187,10 @@ class ChatServer:
         traj = chain.trajectory
         budget = self.config.max_response_tokens - len(traj.response_ids)
         if budget <= 0:
-            raise RequestError(f"this conversation has used its {self.config.max_response_tokens} response tokens"
-                               " (AgentConfig.max_response_tokens); start a new session")
+            raise RequestError(
+                f"this conversation has used its {self.config.max_response_tokens} response tokens"
+                " (AgentConfig.max_response_tokens); start a new session"
+            )
         params = dataclasses.replace(params, max_tokens=min(params.max_tokens, budget), n=1)
         coro = session.llm.generate(traj.prompt_ids + traj.response_ids, params)
         if session.loop is not None and session.loop is not asyncio.get_running_loop():
@@ -185,9 +200,13 @@ class ChatServer:
     def _reply(self, chain: _Chain, completion, request: dict) -> tuple[dict, str]:
         """Record the completion; the assistant message (with tool_calls) and the finish reason."""
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        turn = chain.trajectory.add_model_turn(completion.token_ids, completion.logprobs or
-                                               [0.0] * len(completion.token_ids), completion.version, text=text,
-                                               finish_reason=completion.finish_reason)
+        turn = chain.trajectory.add_model_turn(
+            completion.token_ids,
+            completion.logprobs or [0.0] * len(completion.token_ids),
+            completion.version,
+            text=text,
+            finish_reason=completion.finish_reason,
+        )
         chain.last_model_ids = list(completion.token_ids)
         chain.trajectory.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
         message = {"role": "assistant", "content": text}
@@ -197,8 +216,14 @@ class ChatServer:
             chain.malformed_calls += len(parsed.calls) - len(good)
             turn.tool_calls = [c.to_dict() for c in parsed.calls]
             if good:
-                calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in good]
+                calls = [
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                    }
+                    for c in good
+                ]
                 content = text if len(good) < len(parsed.calls) else parsed.content
                 message = {"role": "assistant", "content": content or None, "tool_calls": calls}
         chain.messages.append(message)
@@ -213,8 +238,10 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
 
 def _norm(message: dict) -> tuple:
     """What must match for a message to count as the same turn (tool-call ids and JSON spacing aside)."""
-    calls = tuple((c.get("function", c).get("name"), _loads(c.get("function", c).get("arguments")))
-                  for c in message.get("tool_calls") or ())
+    calls = tuple(
+        (c.get("function", c).get("name"), _loads(c.get("function", c).get("arguments")))
+        for c in message.get("tool_calls") or ()
+    )
     return message.get("role"), message.get("content") or "", calls
 
 
@@ -244,8 +271,14 @@ def _finished(chain: _Chain) -> Trajectory:
 def _response(model: str, message: dict, reason: str, chain: _Chain, completion) -> dict:
     prompt_tokens = len(chain.trajectory.prompt_ids) + len(chain.trajectory.response_ids) - len(completion.token_ids)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(completion.token_ids),
-                  "total_tokens": prompt_tokens + len(completion.token_ids)},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(completion.token_ids),
+            "total_tokens": prompt_tokens + len(completion.token_ids),
+        },
     }

@@ -11,6 +11,7 @@ A call that cannot be read becomes a `ToolCall` with `error` set (the loop shows
 observation and counts it as malformed); parsers never raise on model text. `arguments` is always
 a dict when `error` is None. Imports only the standard library.
 """
+
 from __future__ import annotations
 
 import ast
@@ -87,7 +88,7 @@ def parse_hermes(text: str) -> Parsed:
     calls, content = [], []
     last = 0
     for match in _HERMES.finditer(text):
-        content.append(text[last:match.start()])
+        content.append(text[last : match.start()])
         last = match.end()
         body = match.group(1).strip()
         if not match.group(2):
@@ -122,7 +123,7 @@ def parse_pythonic(text: str) -> Parsed:
     match = _PYTHONIC_START.search(text)
     if match is None:
         return Parsed(text.strip())
-    content, raw = text[:match.start()].strip(), text[match.start():].strip()
+    content, raw = text[: match.start()].strip(), text[match.start() :].strip()
     try:
         tree = ast.parse(raw, mode="eval").body
     except SyntaxError as err:
@@ -139,5 +140,7 @@ def _pythonic_call(node: ast.expr) -> ToolCall:
     try:
         args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
     except ValueError:
-        return ToolCall(ast.unparse(node.func), raw=raw, error="arguments must be literals (numbers, strings, lists, dicts)")
+        return ToolCall(
+            ast.unparse(node.func), raw=raw, error="arguments must be literals (numbers, strings, lists, dicts)"
+        )
     return ToolCall(ast.unparse(node.func), args, raw=raw)

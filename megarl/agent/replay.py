@@ -7,6 +7,7 @@ policy version. Uses: replaying recorded or expert conversations through an agen
 demonstrations become scored trajectories), and tests and demos that need a model to call tools
 before any model has learnt to. Imports the rollout contract only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,9 +34,9 @@ class ReplayLLM:
         self.calls += 1
         ids = self.tokenizer.encode(response, add_special_tokens=False) if isinstance(response, str) else list(response)
         stop = next((i + 1 for i, t in enumerate(ids) if t in params.stop_token_ids), None)
-        ids = ids[:min(stop or len(ids), params.max_tokens)]
+        ids = ids[: min(stop or len(ids), params.max_tokens)]
         if not ids:
             raise ValueError("a replayed response needs at least one token")
         scores = await asyncio.to_thread(self.engine.score, [list(prompt_ids) + ids])
         reason = "stop" if ids[-1] in params.stop_token_ids else "length"
-        return Completion(ids, scores[0][-len(ids):] if params.logprobs else None, reason, self.engine.version)
+        return Completion(ids, scores[0][-len(ids) :] if params.logprobs else None, reason, self.engine.version)

@@ -10,6 +10,7 @@ Stops with `length` (budget spent or a turn cut by max_tokens), `max_turns`
 `reward_extras['tool_rewards']`, and the last assistant turn's text without tool-call markup to
 `reward_extras['final_response']` (the answer, for rewards that must not read the tools' output). Imports the agent package's own modules only.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,12 @@ class ToolStats:
         self.errors.update(r.error for r in results if r.error)
 
     def metrics(self) -> dict[str, float]:
-        out = {"tool_calls": self.calls, "tool_errors": sum(self.errors.values()), "tool_seconds": self.seconds,
-               "tool_success": float(self.successes > 0)}
+        out = {
+            "tool_calls": self.calls,
+            "tool_errors": sum(self.errors.values()),
+            "tool_seconds": self.seconds,
+            "tool_success": float(self.successes > 0),
+        }
         out.update({f"tool_errors/{kind}": self.errors[kind] for kind in ERROR_KINDS})
         return out
 
@@ -48,8 +53,9 @@ class ToolStats:
 async def tool_agent(sample: AgentSample, llm: AgentLLM, ctx: AgentContext) -> Trajectory:
     """Multi-turn tool calling until the model stops calling or a limit is reached."""
     if ctx.toolset is None:
-        raise ValueError("the tool_agent loop needs tools: set AgentConfig.tool_config to a tool YAML"
-                         " (rollout.agent.tool_config)")
+        raise ValueError(
+            "the tool_agent loop needs tools: set AgentConfig.tool_config to a tool YAML (rollout.agent.tool_config)"
+        )
     schemas = ctx.toolset.schemas(sample.tools)
     conv = Conversation(sample, ctx, schemas)
     session = ctx.toolset.session(sample, sample.tools)
@@ -89,8 +95,9 @@ async def _rounds(conv: Conversation, llm: AgentLLM, ctx: AgentContext, session,
         if step_reward:
             conv.trajectory.reward_turn(step_reward, turn)
         messages = [{"role": "tool", "content": r.text, "tool_call_id": r.id, "name": r.name} for r in results]
-        if not conv.observe("tool", messages, seconds=time.monotonic() - start,
-                            tool_results=[r.to_dict() for r in results]):
+        if not conv.observe(
+            "tool", messages, seconds=time.monotonic() - start, tool_results=[r.to_dict() for r in results]
+        ):
             return "length"
 
 
@@ -103,5 +110,7 @@ def _final_response(trajectory: Trajectory, ctx: AgentContext) -> str:
 def _openai_calls(calls) -> list[dict]:
     import json
 
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-            for c in calls]
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for c in calls
+    ]

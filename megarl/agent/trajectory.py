@@ -9,6 +9,7 @@ Tokens only ever grow by `add_model_turn` (an engine `Completion`, verbatim) and
 (template tokens): nothing is re-tokenized from text. `summarize` turns a step's trajectories into
 step metrics. Imports only the standard library.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,25 +76,52 @@ class Trajectory:
     """What went wrong when finish_reason is error."""
 
     # -- building ---------------------------------------------------------------------------------
-    def add_model_turn(self, token_ids: list[int], logprobs: list[float], version: int, *, text: str = "",
-                       finish_reason: str = "stop", seconds: float = 0.0, versions: Optional[list[int]] = None) -> Turn:
+    def add_model_turn(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        version: int,
+        *,
+        text: str = "",
+        finish_reason: str = "stop",
+        seconds: float = 0.0,
+        versions: Optional[list[int]] = None,
+    ) -> Turn:
         """Append an engine completion verbatim (mask 1, its log-probs, its version, or per token `versions`:
         a request that ran across a weight update switches version mid-turn)."""
         if len(logprobs) != len(token_ids):
-            raise ValueError(f"a model turn has {len(token_ids)} tokens but {len(logprobs)} log-probs; agent loops"
-                             " need the engine's log-prob of every token (SamplingParams.logprobs=True)")
-        turn = self._extend("assistant", token_ids, 1, logprobs, version, text=text, finish_reason=finish_reason,
-                            seconds=seconds)
+            raise ValueError(
+                f"a model turn has {len(token_ids)} tokens but {len(logprobs)} log-probs; agent loops"
+                " need the engine's log-prob of every token (SamplingParams.logprobs=True)"
+            )
+        turn = self._extend(
+            "assistant", token_ids, 1, logprobs, version, text=text, finish_reason=finish_reason, seconds=seconds
+        )
         if versions is not None and len(versions) == len(token_ids):
-            self.response_versions[turn.start:turn.end] = [int(v) for v in versions]
+            self.response_versions[turn.start : turn.end] = [int(v) for v in versions]
         turn.version = version
         return turn
 
-    def add_observation(self, role: str, token_ids: list[int], *, text: str = "", seconds: float = 0.0,
-                        tool_results: Optional[list[dict]] = None) -> Turn:
+    def add_observation(
+        self,
+        role: str,
+        token_ids: list[int],
+        *,
+        text: str = "",
+        seconds: float = 0.0,
+        tool_results: Optional[list[dict]] = None,
+    ) -> Turn:
         """Append tokens the model did not generate (mask 0, log-prob 0, version -1)."""
-        return self._extend(role, token_ids, 0, [0.0] * len(token_ids), -1, text=text, seconds=seconds,
-                            tool_results=list(tool_results or []))
+        return self._extend(
+            role,
+            token_ids,
+            0,
+            [0.0] * len(token_ids),
+            -1,
+            text=text,
+            seconds=seconds,
+            tool_results=list(tool_results or []),
+        )
 
     def _extend(self, role, token_ids, mask, logprobs, version, **turn_fields) -> Turn:
         start = len(self.response_ids)
@@ -120,8 +148,11 @@ class Trajectory:
 
     def turn_rewards(self) -> list[tuple[int, float]]:
         """(response index of the turn's last model token, reward) for every rewarded assistant turn."""
-        return [(t.end - 1, t.reward) for t in self.turns if t.role == "assistant" and t.reward is not None
-                and t.end > t.start]
+        return [
+            (t.end - 1, t.reward)
+            for t in self.turns
+            if t.role == "assistant" and t.reward is not None and t.end > t.start
+        ]
 
     def token_rewards(self) -> list[float]:
         """The per-turn rewards as a dense list over the response (0 elsewhere)."""
@@ -145,13 +176,15 @@ class Trajectory:
     def finalize(self, **extra_metrics: float) -> "Trajectory":
         """Fill the per-trajectory metrics (turns, tokens, masked share, ...) and check; returns self."""
         n = len(self.response_ids)
-        self.metrics.update({
-            "turns": float(self.num_turns),
-            "response_tokens": float(n),
-            "model_tokens": float(sum(self.response_mask)),
-            "masked_token_share": (n - sum(self.response_mask)) / n if n else 0.0,
-            **{k: float(v) for k, v in extra_metrics.items()},
-        })
+        self.metrics.update(
+            {
+                "turns": float(self.num_turns),
+                "response_tokens": float(n),
+                "model_tokens": float(sum(self.response_mask)),
+                "masked_token_share": (n - sum(self.response_mask)) / n if n else 0.0,
+                **{k: float(v) for k, v in extra_metrics.items()},
+            }
+        )
         return self.check()
 
     def to_record(self, tokenizer=None) -> dict[str, Any]:
@@ -176,8 +209,10 @@ def summarize(trajectories: list[Trajectory], prefix: str = "agent/") -> dict[st
             sums.setdefault(key, []).append(float(value))
     # wall-clock means (tool_seconds, env_seconds) go under time/, beside the phase times: they are the
     # metrics a rerun cannot reproduce, and resume comparisons skip that prefix
-    out = {f"{'time/' + prefix if key.endswith('_seconds') else prefix}{key}": sum(values) / len(values)
-           for key, values in sorted(sums.items())}
+    out = {
+        f"{'time/' + prefix if key.endswith('_seconds') else prefix}{key}": sum(values) / len(values)
+        for key, values in sorted(sums.items())
+    }
     for reason in FINISH_REASONS:
         out[f"{prefix}finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / len(trajectories)
     out[f"{prefix}rewarded_turns"] = sum(len(t.turn_rewards()) for t in trajectories) / len(trajectories)

@@ -16,13 +16,19 @@ Groups (samples of one prompt) are given by a per-row id and need not be contigu
 
 Imports only torch and numpy (no megatron, vLLM or Ray).
 """
+
 import math
 from dataclasses import dataclass
 
 import torch
 
 from megarl.algorithms.masked import (
-    GroupIds, group_codes, group_mean_std, masked_whiten, whiten_zeroed, zero_masked,
+    GroupIds,
+    group_codes,
+    group_mean_std,
+    masked_whiten,
+    whiten_zeroed,
+    zero_masked,
 )
 from megarl.utils.registry import Registry
 
@@ -99,6 +105,7 @@ class AdvantageInputs:
 # Reverse discounted scan: y_t = x_t + c_t · y_{t+1}
 # ---------------------------------------------------------------------------------------------
 
+
 def discounted_cumsum(x: torch.Tensor, mask: torch.Tensor, discount: float, chunk: int | None = None):
     """Reverse discounted sum over response tokens, skipping masked ones. x, mask: [B, T] → [B, T].
 
@@ -120,7 +127,7 @@ def _discounted_cumsum(x, weight, discount, chunk=None):
     if discount == 0.0:
         return x
     u = x.flip(-1)
-    decay = weight.flip(-1).mul_(discount - 1.0).add_(1.0)          # c = discount on tokens, 1 off
+    decay = weight.flip(-1).mul_(discount - 1.0).add_(1.0)  # c = discount on tokens, 1 off
     length = chunk or max(1, int(math.log(1e-20) / math.log(discount)))
     h = torch.empty_like(u)
     carry = u.new_zeros(u.shape[0], 1)
@@ -132,8 +139,8 @@ def _discounted_cumsum(x, weight, discount, chunk=None):
 
 def _scan_chunk(u, decay, carry, out):
     """h_j = decay_j · h_{j−1} + u_j over one chunk, written into `out`; returns the last h [B, 1]."""
-    prod = decay.cumprod(-1)                                        # P_j
-    torch.div(u, prod, out=out).cumsum_(-1)                         # Σ_{s≤j} u_s / P_s
+    prod = decay.cumprod(-1)  # P_j
+    torch.div(u, prod, out=out).cumsum_(-1)  # Σ_{s≤j} u_s / P_s
     out.add_(carry).mul_(prod)
     return out[:, -1:]
 
@@ -143,12 +150,12 @@ def next_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     `values` must already be 0 on masked-out tokens.
     """
-    if bool((mask[:, 1:] <= mask[:, :-1]).all()):                   # no holes: next token or none
+    if bool((mask[:, 1:] <= mask[:, :-1]).all()):  # no holes: next token or none
         return torch.nn.functional.pad(values[:, 1:], (0, 1))
     B, T = values.shape
     positions = torch.arange(T, device=values.device).expand(B, T)
-    valid_pos = torch.where(mask, positions, T)                     # T = "none"
-    next_pos = valid_pos.flip(-1).cummin(-1).values.flip(-1)        # first valid s ≥ t
+    valid_pos = torch.where(mask, positions, T)  # T = "none"
+    next_pos = valid_pos.flip(-1).cummin(-1).values.flip(-1)  # first valid s ≥ t
     next_pos = torch.nn.functional.pad(next_pos[:, 1:], (0, 1), value=T)  # s > t
     return torch.nn.functional.pad(values, (0, 1)).gather(-1, next_pos)
 
@@ -178,6 +185,7 @@ def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # Estimators
 # ---------------------------------------------------------------------------------------------
 
+
 @register_advantage_estimator("gae", needs=("values",))
 def gae(inputs: AdvantageInputs, cfg: AdvantageConfig):
     """Generalised advantage estimation (Schulman et al. 2016).
@@ -194,7 +202,7 @@ def gae(inputs: AdvantageInputs, cfg: AdvantageConfig):
     # δ_t = r_t + γ V_{t+1} − V_t on response tokens (in place: no temporaries at [B, T])
     deltas = next_values(values, mask).mul_(cfg.gamma).add_(rewards).sub_(values).mul_(weight)
     advantages = _discounted_cumsum(deltas, weight, cfg.gamma * cfg.lam)
-    returns = advantages + values                                   # both 0 off the mask
+    returns = advantages + values  # both 0 off the mask
     if cfg.whiten_gae:
         advantages = whiten_zeroed(advantages, weight)
     return advantages, returns

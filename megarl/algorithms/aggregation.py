@@ -16,6 +16,7 @@ the DP size. Left as None, a count is taken from the call's own mask (right when
 
 Imports only torch.
 """
+
 from dataclasses import dataclass
 
 import torch

@@ -8,6 +8,7 @@
 
 Imports only torch, numpy and megarl.data.batch (no megatron, vLLM or Ray).
 """
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,8 +45,13 @@ def filter_groups(scores: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
     return (high > low)[codes]
 
 
-def dynamic_sample(generate: Callable[[], Batch], target_prompts: int, max_generations: int,
-                   score_key: str = "token_level_scores", group_key: str = "uid") -> tuple[Batch, int]:
+def dynamic_sample(
+    generate: Callable[[], Batch],
+    target_prompts: int,
+    max_generations: int,
+    score_key: str = "token_level_scores",
+    group_key: str = "uid",
+) -> tuple[Batch, int]:
     """Call `generate` until `target_prompts` groups with reward variance are kept.
 
     Each call returns a batch whose `group_key` column identifies prompt groups (ids fresh per
@@ -79,20 +85,20 @@ def _first_groups(batch: Batch, group_key: str, n: int) -> Batch:
     """Rows of the first `n` groups, in order of first appearance."""
     ids = _as_numpy(batch[group_key])
     _, first_row, codes = np.unique(ids, return_index=True, return_inverse=True)
-    rank = np.argsort(np.argsort(first_row))                        # group → order of appearance
+    rank = np.argsort(np.argsort(first_row))  # group → order of appearance
     return batch[rank[codes.reshape(-1)] < n]
 
 
-def overlong_penalty(response_lengths: torch.Tensor, max_response_len: int, buffer_len: int,
-                     penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_len: int, buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     """DAPO soft overlong punishment per row [B] (add it to the sequence score).
 
     0 for L ≤ L_max − L_buffer;  (L_max − L_buffer − L) / L_buffer · factor inside the buffer;
     −factor for L ≥ L_max.
     """
     if not 0 < buffer_len <= max_response_len:
-        raise ValueError(f"overlong buffer_len must lie in (0, max_response_len={max_response_len}]; "
-                         f"got {buffer_len}")
+        raise ValueError(f"overlong buffer_len must lie in (0, max_response_len={max_response_len}]; got {buffer_len}")
     expected = max_response_len - buffer_len
     exceed = response_lengths.to(torch.float32) - expected
     return (-exceed / buffer_len).clamp(-1.0, 0.0) * penalty_factor

@@ -12,6 +12,7 @@ divergence", 2020):
 
 Imports only torch (no megatron, vLLM or Ray).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,9 @@ def masked_kl(log_probs, ref_log_probs, response_mask, estimator: str) -> torch.
     return zero_masked(kl, mask)
 
 
-def apply_kl_penalty(token_level_scores, log_probs, ref_log_probs, response_mask, kl_coef: float,
-                     estimator: str = "k1"):
+def apply_kl_penalty(
+    token_level_scores, log_probs, ref_log_probs, response_mask, kl_coef: float, estimator: str = "k1"
+):
     """KL in the reward: token_level_rewards = scores − β·kl on response tokens. All [B, T].
 
     Returns (token_level_rewards, stats); stats["kl"] is the batch mean of each sequence's mean
@@ -86,8 +88,7 @@ def apply_kl_penalty(token_level_scores, log_probs, ref_log_probs, response_mask
     return rewards, stats
 
 
-def kl_loss(log_probs, ref_log_probs, response_mask, agg: LossAggregation, kl_coef: float,
-            estimator: str = "k3"):
+def kl_loss(log_probs, ref_log_probs, response_mask, agg: LossAggregation, kl_coef: float, estimator: str = "k3"):
     """KL as a loss term: β · aggregate(kl) (the GRPO way). Returns (loss, stats)."""
     mask = response_mask.bool()
     kl = masked_kl(log_probs, ref_log_probs, mask, estimator)

@@ -4,6 +4,7 @@ group ids → dense group codes, and per-group statistics.
 Padding is never trusted: `zero_masked` uses `torch.where`, so NaN or inf in masked positions
 cannot leak into a result or its gradient. Imports only torch and numpy.
 """
+
 from typing import Sequence
 
 import numpy as np
@@ -37,7 +38,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def whiten_zeroed(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`masked_whiten` of x that is already 0 off the mask; weight is the mask in x's dtype."""
-    count = torch.count_nonzero(weight).clamp(min=1)                 # exact for any size
+    count = torch.count_nonzero(weight).clamp(min=1)  # exact for any size
     centered = (x - x.sum() / count).mul_(weight)
     flat = centered.view(-1)
     var = torch.dot(flat, flat) / (count - 1).clamp(min=1)

@@ -12,6 +12,7 @@ detached, at one of three levels:
 Sequence-level weights are the same for every token of the row. Pass the result as
 `PolicyLossInputs.is_weights`. Imports only torch.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -48,8 +49,7 @@ def _geometric(log_ratio, mask):
     return masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
 
 
-def truncated_is_weights(log_probs_train, log_probs_rollout, response_mask, cap: float = 2.0,
-                         level: str = "token"):
+def truncated_is_weights(log_probs_train, log_probs_rollout, response_mask, cap: float = 2.0, level: str = "token"):
     """Detached weights [B, T] = min(π_train / π_rollout, cap) at `level`; 0 off the mask.
 
     Returns (weights, stats) with is_weight_mean and is_clipfrac (share of tokens truncated).
@@ -61,8 +61,7 @@ def truncated_is_weights(log_probs_train, log_probs_rollout, response_mask, cap:
     log_weights = IS_LEVELS.get(level)(log_ratio, mask)
     weights = zero_masked(torch.exp(log_weights.clamp(max=math.log(cap))), mask)
     truncated = (log_weights > math.log(cap)) & mask
-    stats = {"is_weight_mean": masked_mean(weights, mask),
-             "is_clipfrac": masked_mean(truncated.float(), mask)}
+    stats = {"is_weight_mean": masked_mean(weights, mask), "is_clipfrac": masked_mean(truncated.float(), mask)}
     return weights, stats
 
 

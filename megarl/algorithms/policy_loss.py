@@ -11,6 +11,7 @@ masked-out positions changes neither the loss nor its gradient.
 
 Imports only torch (no megatron, vLLM or Ray).
 """
+
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ class PolicyLossConfig:
 
     def __post_init__(self):
         if self.behaviour_weight_cap <= 0 or self.behaviour_weight_mode not in ("truncate", "mask"):
-            raise ValueError(f"behaviour_weight_cap must be > 0 (got {self.behaviour_weight_cap}) and"
-                             f" behaviour_weight_mode truncate or mask (got {self.behaviour_weight_mode!r})")
+            raise ValueError(
+                f"behaviour_weight_cap must be > 0 (got {self.behaviour_weight_cap}) and"
+                f" behaviour_weight_mode truncate or mask (got {self.behaviour_weight_mode!r})"
+            )
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (dual clip); got {self.clip_ratio_c}")
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
@@ -113,15 +116,14 @@ def ppo_clip(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggregati
     log_ratio = _log_ratio(inputs, mask, cfg)
     advantages = zero_masked(inputs.advantages, mask)
     ratio = torch.exp(log_ratio)
-    upper = ratio.clamp(max=1 + cfg.clip_ratio_high)                              # A ≥ 0 branch
+    upper = ratio.clamp(max=1 + cfg.clip_ratio_high)  # A ≥ 0 branch
     lower = ratio.clamp(min=1 - cfg.clip_ratio_low, max=cfg.clip_ratio_c or math.inf)  # A < 0
     clipped_ratio = torch.where(advantages >= 0, upper, lower)
     pg_losses = -advantages * clipped_ratio
     with torch.no_grad():
         clipped = (clipped_ratio != ratio) & (advantages != 0)
         dual = (advantages < 0) & (ratio > (cfg.clip_ratio_c or math.inf))
-        stats = {"pg_clipfrac": _fraction(clipped & ~dual, mask),
-                 "pg_clipfrac_lower": _fraction(dual, mask)}
+        stats = {"pg_clipfrac": _fraction(clipped & ~dual, mask), "pg_clipfrac_lower": _fraction(dual, mask)}
     return _finish(pg_losses, inputs, mask, agg, stats, log_ratio)
 
 
@@ -187,8 +189,13 @@ def decoupled_ppo(inputs: PolicyLossInputs, cfg: PolicyLossConfig, agg: LossAggr
     weight = torch.where(over, 0.0, weight) if cfg.behaviour_weight_mode == "mask" else weight
     combined = weight if inputs.is_weights is None else weight * inputs.is_weights.detach()
     loss, stats = ppo_clip(dataclasses.replace(inputs, is_weights=combined), cfg, agg)
-    stats.update({"behaviour_weight_mean": masked_mean(zero_masked(weight, mask), mask),
-                  "behaviour_clipfrac": _fraction(over, mask), "behaviour_kl": masked_mean(-log_weight, mask)})
+    stats.update(
+        {
+            "behaviour_weight_mean": masked_mean(zero_masked(weight, mask), mask),
+            "behaviour_clipfrac": _fraction(over, mask),
+            "behaviour_kl": masked_mean(-log_weight, mask),
+        }
+    )
     return loss, stats
 
 
@@ -198,8 +205,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def entropy_bonus(entropy: torch.Tensor, response_mask: torch.Tensor, agg: LossAggregation,
-                  coef: float) -> tuple[torch.Tensor, Stats]:
+def entropy_bonus(
+    entropy: torch.Tensor, response_mask: torch.Tensor, agg: LossAggregation, coef: float
+) -> tuple[torch.Tensor, Stats]:
     """Entropy bonus as a loss term: −coef · aggregate(H). entropy, response_mask: [B, T]."""
     mask = response_mask.bool()
     loss = -coef * aggregate_loss(entropy, mask, agg)

@@ -3,6 +3,7 @@
 Same shape as the policy losses: `value_loss(inputs, cfg, agg) -> (loss, stats)`, normalised by the
 step's global denominators (aggregation.py). Imports only torch.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,9 @@ def value_loss(inputs: ValueLossInputs, cfg: ValueLossConfig, agg: LossAggregati
         vf_losses = torch.maximum(vf_losses1, vf_losses2)
         clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
     loss = 0.5 * aggregate_loss(vf_losses, mask, agg)
-    stats = {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach(),
-             "vpred_mean": masked_mean(values.detach(), mask)}
+    stats = {
+        "vf_loss": loss.detach(),
+        "vf_clipfrac": clipfrac.detach(),
+        "vpred_mean": masked_mean(values.detach(), mask),
+    }
     return loss, stats

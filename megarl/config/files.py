@@ -3,6 +3,7 @@ validation files (exist, have the configured columns), the tokenizer, the resume
 HF model (config.json present; its layout fits the model's layers and heads; the rollout TP and
 context fit the policy). Also the rollout engine's context length. Imports no megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,26 @@ def check_files(cfg: RunConfig) -> None:
     for where, paths in (("data.files", cfg.data.files), ("validation.files", cfg.validation.files)):
         for path in paths:
             if not os.path.exists(path):
-                raise ConfigError(f"{where}: {path!r} does not exist (cwd {os.getcwd()}); fix the path, or pass"
-                                  " --no-check-paths if it only exists on the cluster")
+                raise ConfigError(
+                    f"{where}: {path!r} does not exist (cwd {os.getcwd()}); fix the path, or pass"
+                    " --no-check-paths if it only exists on the cluster"
+                )
             _check_columns(cfg, where, path)
     tokenizer = cfg.model.tokenizer_path or cfg.model.hf_path
     if os.path.isdir(tokenizer) and not any(os.path.isfile(os.path.join(tokenizer, name)) for name in TOKENIZER_FILES):
-        raise ConfigError(f"no tokenizer in {tokenizer!r} (none of {', '.join(TOKENIZER_FILES)}); set"
-                          " model.tokenizer_path to the tokenizer's directory")
+        raise ConfigError(
+            f"no tokenizer in {tokenizer!r} (none of {', '.join(TOKENIZER_FILES)}); set"
+            " model.tokenizer_path to the tokenizer's directory"
+        )
     resume = cfg.trainer.resume
     if resume not in RESUME_MODES and not os.path.exists(resume):
         raise ConfigError(f"trainer.resume={resume!r} is neither auto, never nor an existing checkpoint path")
     for where, path in _model_paths(cfg).items():
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{where}={path!r} has no config.json; point it at a HuggingFace checkpoint"
-                              " directory (or pass --no-check-paths if it only exists on the cluster)")
+            raise ConfigError(
+                f"{where}={path!r} has no config.json; point it at a HuggingFace checkpoint"
+                " directory (or pass --no-check-paths if it only exists on the cluster)"
+            )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -64,8 +71,10 @@ def _check_columns(cfg: RunConfig, where: str, path: str) -> None:
     for key in ("prompt_key", "ground_truth_key"):
         column = getattr(cfg.data, key)
         if column is not None and column.split(".")[0] not in columns:
-            raise ConfigError(f"{where}: {path!r} has no column {column.split('.')[0]!r} (data.{key}={column!r});"
-                              f" columns: {columns}. Set data.{key} to the right column")
+            raise ConfigError(
+                f"{where}: {path!r} has no column {column.split('.')[0]!r} (data.{key}={column!r});"
+                f" columns: {columns}. Set data.{key} to the right column"
+            )
 
 
 def _model_paths(cfg: RunConfig) -> dict[str, str]:
@@ -97,8 +106,9 @@ def check_models(cfg: RunConfig, roles: tuple[str, ...]) -> None:
                 dims_by_path[path] = describe_hf_config(load_hf_config(path))
             except (ValueError, FileNotFoundError) as err:
                 raise ConfigError(f"{role} model {path}: {err}") from None
-    check_layouts_fit(cfg, {role: dims_by_path[_role_model_path(cfg, role)] for role in roles},
-                      dims_by_path[cfg.model.hf_path])
+    check_layouts_fit(
+        cfg, {role: dims_by_path[_role_model_path(cfg, role)] for role in roles}, dims_by_path[cfg.model.hf_path]
+    )
 
 
 def check_layouts_fit(cfg: RunConfig, role_dims: dict, policy_dims) -> None:
@@ -115,15 +125,19 @@ def check_layouts_fit(cfg: RunConfig, role_dims: dict, policy_dims) -> None:
 def _check_rollout_model(cfg: RunConfig, dims) -> None:
     tp = cfg.rollout.tp
     if dims.num_heads % tp or (dims.num_kv_heads % tp and tp % dims.num_kv_heads):
-        raise ConfigError(f"rollout.tp={tp} does not fit the model's num_attention_heads={dims.num_heads} /"
-                          f" num_key_value_heads={dims.num_kv_heads}: tp must divide the heads and divide"
-                          " (or be a multiple of) the KV heads")
+        raise ConfigError(
+            f"rollout.tp={tp} does not fit the model's num_attention_heads={dims.num_heads} /"
+            f" num_key_value_heads={dims.num_kv_heads}: tp must divide the heads and divide"
+            " (or be a multiple of) the KV heads"
+        )
     context = cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     needed = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     if needed > context or context > dims.max_position_embeddings:
-        raise ConfigError(f"data.max_prompt_tokens + rollout.max_response_tokens = {cfg.data.max_prompt_tokens} +"
-                          f" {cfg.rollout.max_response_tokens} = {needed} must fit in rollout.max_model_len={context}"
-                          f" <= the model's max_position_embeddings={dims.max_position_embeddings}; shorten them")
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_response_tokens = {cfg.data.max_prompt_tokens} +"
+            f" {cfg.rollout.max_response_tokens} = {needed} must fit in rollout.max_model_len={context}"
+            f" <= the model's max_position_embeddings={dims.max_position_embeddings}; shorten them"
+        )
 
 
 def resolve_max_model_len(cfg: RunConfig) -> int:

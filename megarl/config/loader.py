@@ -20,6 +20,7 @@ every key and type), `to_dict`, `dump_yaml`, `save_resolved(cfg, run_dir)` and `
 
 Imports OmegaConf, PyYAML and the standard library (plus the schema's imports); no megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import ast
@@ -128,8 +129,10 @@ def _apply_override(tree: DictConfig, text: str) -> None:
     try:
         tree.merge_with_dotlist([f"{key}={raw}"])
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
-                          "quote an interpolation inside a list or mapping: ['${a.b}', c]") from None
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
+            "quote an interpolation inside a list or mapping: ['${a.b}', c]"
+        ) from None
     except OmegaConfBaseException as err:
         raise _omegaconf_error(err, {}, f"override {text!r}: ") from None
 
@@ -142,7 +145,9 @@ def _resolve(values: dict, cls: type) -> dict:
     `${` are returned as they are. `???` (OmegaConf's "mandatory") still left in a field is an error."""
     missing = _mandatory(values)
     if missing:
-        raise ConfigError(f"{missing} is ??? (mandatory): set it in a later config file or as an override {missing}=...")
+        raise ConfigError(
+            f"{missing} is ??? (mandatory): set it in a later config file or as an override {missing}=..."
+        )
     if not _needs_resolving(values):
         return values
     try:
@@ -371,8 +376,9 @@ def _hints(cls: type) -> dict:
 # ----------------------------------------------------------------------------- public entry points
 
 
-def load_config(files: str | os.PathLike | Iterable[str | os.PathLike] = (), overrides: Sequence[str] = (),
-                cls: type = RunConfig) -> RunConfig:
+def load_config(
+    files: str | os.PathLike | Iterable[str | os.PathLike] = (), overrides: Sequence[str] = (), cls: type = RunConfig
+) -> RunConfig:
     """Defaults of `cls` ← each YAML file in order (with its `defaults:` chain) ← each dot-list override,
     interpolations resolved over all of them, then checked and typed by `build`."""
     if isinstance(files, (str, os.PathLike)):
@@ -438,8 +444,10 @@ def save_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.yaml
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / name
     tmp = run_dir / f".{name}.tmp.{os.getpid()}"
-    tmp.write_text("# megarl resolved config: every field, defaults included. Rerun with\n"
-                   f"#   megarl train --config {target}\n\n" + dump_yaml(cfg, comments=True))
+    tmp.write_text(
+        "# megarl resolved config: every field, defaults included. Rerun with\n"
+        f"#   megarl train --config {target}\n\n" + dump_yaml(cfg, comments=True)
+    )
     os.replace(tmp, target)
     return target
 

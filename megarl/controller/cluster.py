@@ -12,6 +12,7 @@ hands the loop one typed handle per role:
 
 Ray is imported by the worker groups (the driver).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -60,8 +61,9 @@ class Cluster:
         for name, roles in plan.items():  # build order: actor, ref, critic, reward model
             for i, role in enumerate(roles):
                 self.groups[name].add_role(role, MODEL_ROLES[role].from_config, cfg, first=i == 0)
-                setattr(self, role, role_handle(self.groups[name], role, MODEL_ROLES[role],
-                                                role_mesh(cfg, role, derived)))
+                setattr(
+                    self, role, role_handle(self.groups[name], role, MODEL_ROLES[role], role_mesh(cfg, role, derived))
+                )
         actor_group = self.groups[cfg.actor.pool]
         if cfg.rollout.mode == "server":
             self.rollout = EngineServers(cfg, pools[cfg.rollout.pool], actor_group, env)

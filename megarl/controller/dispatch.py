@@ -9,6 +9,7 @@ Every rank of one DP index gets the same shard (its TP/PP/CP peers need the same
 are read from one rank per DP index: the first TP rank, CP rank 0, on the last PP stage (where
 log-probs, values and losses are). Pure Python + numpy: no Ray, megatron or vLLM.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,8 +86,10 @@ class DPSplit:
         group_key: a column of group ids whose rows must stay on one rank (e.g. GRPO's "uid").
         """
         if len(batch) % dp:
-            raise ValueError(f"{len(batch)} rows cannot be split evenly over data-parallel size {dp}; the config's"
-                             " samples per step must be divisible by every role's DP size (megarl.config.validate)")
+            raise ValueError(
+                f"{len(batch)} rows cannot be split evenly over data-parallel size {dp}; the config's"
+                " samples per step must be divisible by every role's DP size (megarl.config.validate)"
+            )
         if balance:
             groups = batch[group_key] if group_key else None
             parts = balance_rows(row_lengths(batch), dp, group_ids=groups, keep_groups=group_key is not None)

@@ -26,6 +26,7 @@ concurrency group (`REQUEST_GROUP`), so many run at once next to the (idle) trai
 
 Ray is imported here (the driver).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ from megarl.workers.rollout import Rollout, RolloutSender, engine_ranks, engine_
 def _deal(requests: list, parts: int) -> list[list]:
     """`requests` cut into `parts` contiguous chunks of near-equal size."""
     bounds = [len(requests) * i // parts for i in range(parts + 1)]
-    return [requests[bounds[i]:bounds[i + 1]] for i in range(parts)]
+    return [requests[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
 def _common_version(versions: list[Optional[int]]) -> int:
@@ -57,8 +58,11 @@ class _Engines:
 
     async def submit(self, prompt_ids, params, *, request_id: str, session_id: Optional[str] = None) -> list:
         """`params.n` completions of one request, on the engine the router picks (sticky per session)."""
-        return await self.router.run(str(request_id), session_id,
-                                     lambda engine: self._call(engine, prompt_ids, params, str(request_id), session_id))
+        return await self.router.run(
+            str(request_id),
+            session_id,
+            lambda engine: self._call(engine, prompt_ids, params, str(request_id), session_id),
+        )
 
     async def abort(self, request_ids) -> None:
         """End outstanding requests; their `submit` calls return the partial outputs (not rerun)."""
@@ -151,8 +155,15 @@ class ColocatedEngines(_Engines):
 class EngineServers(_Engines):
     """Engine actors on their own pool; the actor's rank 0 broadcasts each update to all of them."""
 
-    def __init__(self, cfg, pool, actor_group, env: dict, timeout_s: float = 600.0,
-                 max_outstanding: int = DEFAULT_MAX_OUTSTANDING):
+    def __init__(
+        self,
+        cfg,
+        pool,
+        actor_group,
+        env: dict,
+        timeout_s: float = 600.0,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+    ):
         import ray
 
         from megarl.rollout.server import connect_servers, launch_engine_servers
@@ -160,24 +171,32 @@ class EngineServers(_Engines):
         ro, res = cfg.rollout, cfg.resources
         self.pool, self.group, self.timeout_s = pool, actor_group, timeout_s
         backend, kwargs = engine_spec(cfg)
-        slots = pool.slots()[::ro.tp]  # an engine's first GPU; its tp GPUs share a bundle (validated)
-        options = [{**pool.actor_options(slot, num_gpus=float(ro.tp) if pool.use_gpu else 0.0),
-                    "num_cpus": ro.tp * res.cpus_per_worker} for slot in slots]
-        self.servers = launch_engine_servers(cfg.model.hf_path, len(slots), backend=backend, actor_options=options,
-                                             env=env, **kwargs)
+        slots = pool.slots()[:: ro.tp]  # an engine's first GPU; its tp GPUs share a bundle (validated)
+        options = [
+            {
+                **pool.actor_options(slot, num_gpus=float(ro.tp) if pool.use_gpu else 0.0),
+                "num_cpus": ro.tp * res.cpus_per_worker,
+            }
+            for slot in slots
+        ]
+        self.servers = launch_engine_servers(
+            cfg.model.hf_path, len(slots), backend=backend, actor_options=options, env=env, **kwargs
+        )
         ray.get([server.version.remote() for server in self.servers])  # started (or their own error)
         self.group.add_role("rollout", RolloutSender, cfg)
         host, port = self.group.env[0]["MASTER_ADDR"], ray.get(self.group.workers[0].free_port.remote())
         weights_backend = "nccl" if pool.use_gpu else "gloo"
         joins = connect_servers(self.servers, host, port, backend=weights_backend, timeout_s=timeout_s)
-        self.group.get([self.group.execute_rank0("rollout.connect", host, port, len(self.servers) + 1,
-                                                 weights_backend, timeout_s)])
+        self.group.get(
+            [self.group.execute_rank0("rollout.connect", host, port, len(self.servers) + 1, weights_backend, timeout_s)]
+        )
         ray.get(joins)
         self.router = EngineRouter(len(self.servers), max_outstanding=max_outstanding)
 
     async def _call(self, engine, prompt_ids, params, request_id, session_id):
-        return await self.servers[engine].generate.remote(list(prompt_ids), params, request_id=request_id,
-                                                          session_id=session_id)
+        return await self.servers[engine].generate.remote(
+            list(prompt_ids), params, request_id=request_id, session_id=session_id
+        )
 
     async def _abort(self, engine, request_ids):
         await self.servers[engine].abort.remote(request_ids)
@@ -196,8 +215,11 @@ class EngineServers(_Engines):
     def generate(self, requests: list) -> list:
         import ray
 
-        refs = [server.generate.remote(ids, params)
-                for server, chunk in zip(self.servers, _deal(requests, len(self.servers))) for ids, params in chunk]
+        refs = [
+            server.generate.remote(ids, params)
+            for server, chunk in zip(self.servers, _deal(requests, len(self.servers)))
+            for ids, params in chunk
+        ]
         return ray.get(refs)
 
     def sync_weights(self) -> int:

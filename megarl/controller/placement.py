@@ -5,6 +5,7 @@ Owns: `plan_placement(cfg)` (pool -> roles built in its workers, in build order;
 rollout engine sits in the actor's pool), `role_mesh(cfg, role)` and `init_ray(cfg)`.
 Pure Python except `init_ray` (imports Ray when called).
 """
+
 from __future__ import annotations
 
 import os

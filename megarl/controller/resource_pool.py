@@ -7,6 +7,7 @@ instead of a silent hang) and `pools_from_config(cfg)`. Works with Ray's fake GP
 
 Imports Ray only inside methods (the module imports without it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,16 @@ class RankSlot:
 class ResourcePool:
     """A placement group with one bundle per node; `world_size` = total workers (one per GPU)."""
 
-    def __init__(self, bundle_sizes: Sequence[int], *, name: str = "main", use_gpu: bool = True,
-                 cpus_per_worker: float = 1.0, strategy: str = "PACK", ready_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        bundle_sizes: Sequence[int],
+        *,
+        name: str = "main",
+        use_gpu: bool = True,
+        cpus_per_worker: float = 1.0,
+        strategy: str = "PACK",
+        ready_timeout_s: float = 60.0,
+    ):
         if not bundle_sizes or any(n < 1 for n in bundle_sizes):
             raise ValueError(f"pool {name!r}: bundle sizes must be >= 1 worker each, got {list(bundle_sizes)}")
         if not use_gpu and cpus_per_worker <= 0:
@@ -89,9 +98,11 @@ class ResourcePool:
         ready, _ = ray.wait([pg.ready()], timeout=self.ready_timeout_s)
         if not ready:
             ray.util.remove_placement_group(pg)
-            raise RuntimeError(f"pool {self.name!r}: placement group {self.bundles()} ({self.strategy}) not placed"
-                               f" within {self.ready_timeout_s:.0f} s; available: {ray.available_resources()}."
-                               " Other pools or actors may hold the resources, or no node is large enough")
+            raise RuntimeError(
+                f"pool {self.name!r}: placement group {self.bundles()} ({self.strategy}) not placed"
+                f" within {self.ready_timeout_s:.0f} s; available: {ray.available_resources()}."
+                " Other pools or actors may hold the resources, or no node is large enough"
+            )
         return pg
 
     def _check_cluster(self, cluster: dict) -> None:
@@ -100,17 +111,20 @@ class ResourcePool:
             need = sum(b.get(key, 0.0) for b in self.bundles())
             have = cluster.get(key, 0.0)
             if need > have:
-                raise RuntimeError(f"pool {self.name!r} needs {need:g} {key}s ({len(self.bundle_sizes)} bundles"
-                                   f" {self.bundles()}) but the Ray cluster has {have:g}; check resources.nodes /"
-                                   " gpus_per_node / cpus_per_worker against the cluster")
+                raise RuntimeError(
+                    f"pool {self.name!r} needs {need:g} {key}s ({len(self.bundle_sizes)} bundles"
+                    f" {self.bundles()}) but the Ray cluster has {have:g}; check resources.nodes /"
+                    " gpus_per_node / cpus_per_worker against the cluster"
+                )
 
     def actor_options(self, slot: RankSlot, num_gpus: Optional[float] = None) -> dict:
         """`ray.remote(...).options(**...)` placing one worker in its bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = (1.0 if self.use_gpu else 0.0) if num_gpus is None else num_gpus
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=slot.bundle,
-                                                    placement_group_capture_child_tasks=True)
+        strategy = PlacementGroupSchedulingStrategy(
+            self.placement_group, placement_group_bundle_index=slot.bundle, placement_group_capture_child_tasks=True
+        )
         return {"num_cpus": self.cpus_per_worker, "num_gpus": gpus, "scheduling_strategy": strategy}
 
     def remove(self) -> None:
@@ -134,6 +148,11 @@ def pools_from_config(cfg) -> dict[str, ResourcePool]:
     pools = {}
     for name, workers in pool_sizes(cfg).items():
         per_node = min(workers, res.gpus_per_node)
-        pools[name] = ResourcePool([per_node] * (workers // per_node), name=name, use_gpu=res.accelerator == "gpu",
-                                   cpus_per_worker=res.cpus_per_worker, strategy=res.placement_strategy)
+        pools[name] = ResourcePool(
+            [per_node] * (workers // per_node),
+            name=name,
+            use_gpu=res.accelerator == "gpu",
+            cpus_per_worker=res.cpus_per_worker,
+            strategy=res.placement_strategy,
+        )
     return pools

@@ -25,6 +25,7 @@ group of `REQUEST_CONCURRENCY` threads for per-request rollout calls (a colocate
 many requests at once; the driver never overlaps them with training calls).
 Imports Ray lazily (the module imports without it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,12 @@ class WorkerHost:
     def node_info(self) -> dict:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "pid": os.getpid(), "host": socket.gethostname()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -123,8 +128,10 @@ class WorkerGroup:
         # per-request rollout calls run in their own group, many at once (`REQUEST_GROUP`)
         host_cls = ray.remote(concurrency_groups={REQUEST_GROUP: REQUEST_CONCURRENCY})(WorkerHost)
         runtime_env = {"env_vars": dict(env)} if env else None
-        self.workers = [host_cls.options(name=None, runtime_env=runtime_env, **pool.actor_options(slot)).remote()
-                        for slot in self.slots]
+        self.workers = [
+            host_cls.options(name=None, runtime_env=runtime_env, **pool.actor_options(slot)).remote()
+            for slot in self.slots
+        ]
         self.env = self._rendezvous()
 
     @property
@@ -142,9 +149,15 @@ class WorkerGroup:
         return envs
 
     def _rank_env(self, slot, infos, master_addr: str, master_port: int) -> dict[str, str]:
-        env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(slot.rank),
-               "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(slot.local_rank),
-               "LOCAL_WORLD_SIZE": str(slot.local_world_size), "MEGARL_WORKER_GROUP": self.name}
+        env = {
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "RANK": str(slot.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(slot.local_rank),
+            "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+            "MEGARL_WORKER_GROUP": self.name,
+        }
         if self.pool.use_gpu:
             node_gpus = [infos[s.rank]["gpu_ids"][0] for s in self.slots if s.bundle == slot.bundle]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)  # LOCAL_RANK indexes this rank's own GPU
@@ -178,8 +191,16 @@ class WorkerGroup:
             raise ValueError(f"{len(per_rank_args)} argument tuples for {self.world_size} ranks")
         return [w.call.remote(target, *a) for w, a in zip(self.workers, per_rank_args)]
 
-    def dispatch(self, target: str, batch: Batch, mesh: RankMesh, *, balance: bool = True,
-                 group_key: Optional[str] = None, **kwargs) -> DPCall:
+    def dispatch(
+        self,
+        target: str,
+        batch: Batch,
+        mesh: RankMesh,
+        *,
+        balance: bool = True,
+        group_key: Optional[str] = None,
+        **kwargs,
+    ) -> DPCall:
         """Split `batch` over the mesh's DP ranks (token-balanced) and call `target(shard, **kwargs)` on every rank."""
         import ray
 
@@ -208,8 +229,9 @@ class WorkerGroup:
 
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
-            raise TimeoutError(f"group {self.name!r}: {len(pending)} of {len(refs)} ranks did not answer within"
-                               f" {timeout} s")
+            raise TimeoutError(
+                f"group {self.name!r}: {len(pending)} of {len(refs)} ranks did not answer within {timeout} s"
+            )
         results, failed = [], []
         for rank, ref in enumerate(refs):
             try:
@@ -244,8 +266,10 @@ class RoleHandle:
             raise AttributeError(method)
         mode = self.methods.get(method)
         if mode is None:
-            raise AttributeError(f"{self.cls.__name__}.{method} is not a remote method of role {self.name!r};"
-                                 f" remote methods: {sorted(self.methods)}")
+            raise AttributeError(
+                f"{self.cls.__name__}.{method} is not a remote method of role {self.name!r};"
+                f" remote methods: {sorted(self.methods)}"
+            )
         return functools.update_wrapper(functools.partial(self._call, method, mode), getattr(self.cls, method))
 
     def _call(self, method: str, mode: str, *args, **kwargs):
@@ -281,4 +305,6 @@ def _as_batch(result: Any) -> Batch:
         return result
     if isinstance(result, dict):
         return Batch.from_dict({k: v for k, v in result.items()})
-    raise TypeError(f"collect() needs a Batch (or dict of row-aligned tensors) from each rank, got {type(result).__name__}")
+    raise TypeError(
+        f"collect() needs a Batch (or dict of row-aligned tensors) from each rank, got {type(result).__name__}"
+    )

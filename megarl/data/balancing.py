@@ -9,6 +9,7 @@ Row-count rule of `balance_rows`: the units dealt out are rows, or whole groups 
 same number of rows whenever k divides the number of rows (or, keeping groups, the number of
 groups, all groups being the same size — e.g. samples_per_prompt rows each).
 """
+
 import heapq
 import itertools
 import warnings
@@ -19,8 +20,9 @@ import numpy as np
 Lengths = Sequence[int] | np.ndarray
 
 
-def balance_rows(lengths: Lengths, num_ranks: int, group_ids: Sequence | np.ndarray | None = None,
-                 keep_groups: bool = False) -> list[list[int]]:
+def balance_rows(
+    lengths: Lengths, num_ranks: int, group_ids: Sequence | np.ndarray | None = None, keep_groups: bool = False
+) -> list[list[int]]:
     """Row indices per rank (each list ascending) with token counts balanced.
 
     Karmarkar–Karp largest differencing over units (rows, or groups when keep_groups) under the
@@ -29,8 +31,10 @@ def balance_rows(lengths: Lengths, num_ranks: int, group_ids: Sequence | np.ndar
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     units = _units(len(lengths), group_ids, keep_groups)
     if len(units) < num_ranks:
-        raise ValueError(f"cannot give each of {num_ranks} ranks work from {len(units)} "
-                         f"{'groups' if keep_groups else 'rows'}; lower the DP size or raise prompts_per_step")
+        raise ValueError(
+            f"cannot give each of {num_ranks} ranks work from {len(units)} "
+            f"{'groups' if keep_groups else 'rows'}; lower the DP size or raise prompts_per_step"
+        )
     weights = [int(lengths[rows].sum()) for rows in units]
     parts = _karmarkar_karp(weights, num_ranks)
     return [sorted(int(row) for unit in part for row in units[unit]) for part in parts]
@@ -59,11 +63,11 @@ def _karmarkar_karp(weights: list[int], k: int) -> list[list[int]]:
     until one state is left (largest differencing method, equal-cardinality variant).
     """
     order = sorted(range(len(weights)), key=lambda u: (weights[u], u))
-    order += [-1] * (-len(order) % k)                               # dummies: weight 0
+    order += [-1] * (-len(order) % k)  # dummies: weight 0
     tie = itertools.count()
     heap = []
     for start in range(0, len(order), k):
-        state = sorted(([weights[u] if u >= 0 else 0, [u]] for u in order[start:start + k]), reverse=True)
+        state = sorted(([weights[u] if u >= 0 else 0, [u]] for u in order[start : start + k]), reverse=True)
         heapq.heappush(heap, (-(state[0][0] - state[-1][0]), next(tie), state))
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
@@ -94,8 +98,11 @@ def pack_micro_batches(lengths: Lengths, max_tokens: int, min_micro_batches: int
 
 def _first_fit(bins: list[list[int]], loads: list[int], row: int, length: int, max_tokens: int) -> None:
     if length > max_tokens:
-        warnings.warn(f"row {row} has {length} tokens, over the micro-batch budget of {max_tokens}; "
-                      f"it gets a micro-batch of its own", stacklevel=3)
+        warnings.warn(
+            f"row {row} has {length} tokens, over the micro-batch budget of {max_tokens}; "
+            f"it gets a micro-batch of its own",
+            stacklevel=3,
+        )
     for i, load in enumerate(loads):
         if load + length <= max_tokens:
             bins[i].append(row)

@@ -13,6 +13,7 @@ copies or per-row Python objects.
 
 Imports only torch and numpy (no megatron, vLLM or Ray).
 """
+
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -33,9 +34,14 @@ class Batch:
     (object dtype for Python values);  meta: anything that is not per row.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
-                 non_tensors: dict[str, np.ndarray] | None = None,
-                 meta: dict[str, Any] | None = None, rows: int | None = None, schema: Schema | None = None):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor] | None = None,
+        non_tensors: dict[str, np.ndarray] | None = None,
+        meta: dict[str, Any] | None = None,
+        rows: int | None = None,
+        schema: Schema | None = None,
+    ):
         self.tensors: dict[str, torch.Tensor] = {}
         self.non_tensors: dict[str, np.ndarray] = {}
         self.meta: dict[str, Any] = dict(meta or {})
@@ -49,8 +55,13 @@ class Batch:
             self._rows = 0
 
     @classmethod
-    def from_dict(cls, tensors: dict[str, torch.Tensor], non_tensors: dict[str, Any] | None = None,
-                  meta: dict[str, Any] | None = None, schema: Schema | None = None) -> "Batch":
+    def from_dict(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        non_tensors: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+        schema: Schema | None = None,
+    ) -> "Batch":
         """A batch from tensors, non-tensor columns (lists or arrays; lists become object arrays) and meta."""
         for key, value in tensors.items():
             if not isinstance(value, torch.Tensor):
@@ -138,14 +149,14 @@ class Batch:
         """Consecutive batches of `size` rows (the last may be smaller); views, no copies."""
         if size < 1:
             raise ValueError(f"split size must be >= 1; got {size}")
-        return [self[start:start + size] for start in range(0, len(self), size)]
+        return [self[start : start + size] for start in range(0, len(self), size)]
 
     def chunk(self, k: int) -> list["Batch"]:
         """Exactly k consecutive batches whose sizes differ by at most one (first ones larger)."""
         if k < 1:
             raise ValueError(f"chunk count must be >= 1; got {k}")
         bounds = np.cumsum([0] + [len(self) // k + (i < len(self) % k) for i in range(k)])
-        return [self[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+        return [self[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
@@ -168,8 +179,13 @@ class Batch:
 
     def __getstate__(self) -> dict:
         """Tensors as numpy arrays over the same bytes (detached, on CPU, contiguous)."""
-        return {"tensors": {k: _to_numpy(v) for k, v in self.tensors.items()},
-                "non_tensors": self.non_tensors, "meta": self.meta, "rows": self._rows, "schema": self.schema}
+        return {
+            "tensors": {k: _to_numpy(v) for k, v in self.tensors.items()},
+            "non_tensors": self.non_tensors,
+            "meta": self.meta,
+            "rows": self._rows,
+            "schema": self.schema,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.tensors = {k: _from_numpy(*v) for k, v in state["tensors"].items()}
@@ -200,8 +216,10 @@ class Batch:
 
     def _take(self, index: slice | np.ndarray) -> "Batch":
         rows = len(range(*index.indices(len(self)))) if isinstance(index, slice) else len(index)
-        columns = [(k, v[index] if isinstance(index, slice) else v[torch.as_tensor(index, device=v.device)])
-                   for k, v in self.tensors.items()]
+        columns = [
+            (k, v[index] if isinstance(index, slice) else v[torch.as_tensor(index, device=v.device)])
+            for k, v in self.tensors.items()
+        ]
         columns += [(k, v[index]) for k, v in self.non_tensors.items()]
         return self._with(columns, rows)
 
@@ -243,8 +261,13 @@ def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
     try:
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
             return bool(np.array_equal(a, b))
@@ -262,11 +285,14 @@ def _check_compatible(first: Batch, other: Batch, i: int) -> None:
             raise ValueError(f"cannot concat: {kind} column {key!r} is only in {where}")
         for key in a:
             if a[key].dtype != b[key].dtype:
-                raise ValueError(f"cannot concat: column {key!r} is {a[key].dtype} in batch 0 "
-                                 f"but {b[key].dtype} in batch {i}")
+                raise ValueError(
+                    f"cannot concat: column {key!r} is {a[key].dtype} in batch 0 but {b[key].dtype} in batch {i}"
+                )
             if tuple(a[key].shape[1:]) != tuple(b[key].shape[1:]):
-                raise ValueError(f"cannot concat: column {key!r} has trailing shape "
-                                 f"{tuple(a[key].shape[1:])} in batch 0 but {tuple(b[key].shape[1:])} in batch {i}")
+                raise ValueError(
+                    f"cannot concat: column {key!r} has trailing shape "
+                    f"{tuple(a[key].shape[1:])} in batch 0 but {tuple(b[key].shape[1:])} in batch {i}"
+                )
 
 
 def _to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:

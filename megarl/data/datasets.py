@@ -6,6 +6,7 @@ missing columns, malformed rows, prompts over the limit), `collate_prompts` (lef
 `PromptLoader` (deterministic per-epoch shuffle, resumable at the exact next sample).
 Imports torch, numpy and pyarrow only (`datasets` lazily, for HF dirs); no megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,15 @@ from megarl.data.schema import ROLLOUT
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
-PRODUCED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "ground_truth", "data_source", "dataset_index")
+PRODUCED_COLUMNS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "raw_prompt",
+    "ground_truth",
+    "data_source",
+    "dataset_index",
+)
 
 
 @dataclass
@@ -93,8 +102,10 @@ def _load_parquet(path: str) -> tuple[list[dict], list[str]]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file ({e}); rewrite it, or give it the extension of"
-                         " its real format (.jsonl / .json)") from e
+        raise ValueError(
+            f"{path}: not a readable parquet file ({e}); rewrite it, or give it the extension of"
+            " its real format (.jsonl / .json)"
+        ) from e
     return table.to_pylist(), table.column_names
 
 
@@ -136,8 +147,10 @@ def _utf8(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start} of that"
-                         f" {'line' if 'line' in where else 'file'}); re-encode the file as UTF-8") from None
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start} of that"
+            f" {'line' if 'line' in where else 'file'}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _load_hf_dir(path: str, split: str) -> tuple[list[dict], list[str]]:
@@ -237,7 +250,7 @@ def truncate(ids: list[int], limit: int, mode: str, where: str = "prompt") -> li
         return ids[:limit]
     if mode == "middle":
         head = (limit + 1) // 2
-        return ids[:head] + ids[len(ids) - (limit - head):]
+        return ids[:head] + ids[len(ids) - (limit - head) :]
     raise ValueError(
         f"{where}: prompt has {len(ids)} tokens > DataConfig.max_prompt_tokens={limit}; raise the limit, "
         "set DataConfig.truncation to left|right|middle, or set DataConfig.filter_overlong=true"
@@ -314,7 +327,9 @@ class PromptDataset(torch.utils.data.Dataset):
             kept_rows.append(row)
         self.num_filtered = overlong
         if overlong:
-            logger.info("filtered %d of %d prompts longer than max_prompt_tokens=%d", overlong, len(rows), cfg.max_prompt_tokens)
+            logger.info(
+                "filtered %d of %d prompts longer than max_prompt_tokens=%d", overlong, len(rows), cfg.max_prompt_tokens
+            )
         return kept_ids, kept_rows
 
 
@@ -356,7 +371,9 @@ class PromptLoader:
     `state_dict()` (epoch, position) yields what the uninterrupted one would have.
     """
 
-    def __init__(self, dataset: PromptDataset, prompts_per_step: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+    def __init__(
+        self, dataset: PromptDataset, prompts_per_step: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True
+    ):
         if prompts_per_step <= 0:
             raise ValueError(f"prompts_per_step must be > 0, got {prompts_per_step}")
         if len(dataset) == 0 or (drop_last and len(dataset) < prompts_per_step):
@@ -408,8 +425,13 @@ class PromptLoader:
 
     def state_dict(self) -> dict[str, int | bool]:
         """Where the loader stands: the next batch starts at `position` of epoch `epoch`."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "num_prompts": len(self.dataset)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.dataset),
+        }
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
         """Continue exactly where the saved loader stood; fails if the data or the order changed."""

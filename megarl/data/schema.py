@@ -13,6 +13,7 @@ Columns a dataset file carries beside the prompt (e.g. `extra_info`, an `agent_n
 `index`) pass through as object columns: the dataset declares them (`Schema.with_data_columns`).
 Imports torch and numpy only.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -58,8 +59,12 @@ ROLLOUT_COLUMNS: dict[str, Column] = {
     "dataset_index": _c("object", "B", "dataset", "the row's index in its dataset"),
     "extra_info": _c("object", "B", "dataset", "per-row extras handed to the reward function"),
     # -- rollout (megarl.trainer.batching) ---------------------------------------------------------
-    "response_mask": _c("int", "B,T", "rollout", "1 on response tokens the policy generated (0: padding, and tool /"
-                        " user / environment tokens between turns)"),
+    "response_mask": _c(
+        "int",
+        "B,T",
+        "rollout",
+        "1 on response tokens the policy generated (0: padding, and tool / user / environment tokens between turns)",
+    ),
     "rollout_log_probs": _c("float", "B,T", "rollout", "the engine's log-prob of each sampled token"),
     "uid": _c("object", "B", "rollout", "prompt group id (samples of one prompt share it)"),
     "finish_reason": _c("object", "B", "rollout", "stop or length"),
@@ -99,8 +104,11 @@ class Schema:
 
     def with_data_columns(self, names: Iterable[str]) -> "Schema":
         """This schema plus the dataset's pass-through columns (object, one value per row)."""
-        extra = {n: _c("object", "B", "dataset", "a column of the data file, passed through") for n in names
-                 if n not in self.columns}
+        extra = {
+            n: _c("object", "B", "dataset", "a column of the data file, passed through")
+            for n in names
+            if n not in self.columns
+        }
         return self if not extra else Schema(self.name, {**self.columns, **extra})
 
     def check(self, name: str, value) -> None:
@@ -109,12 +117,16 @@ class Schema:
         if column is None:
             close = difflib.get_close_matches(name, list(self.columns), n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-            raise KeyError(f"{self.name} batch has no column {name!r}; {hint}declared columns are listed in"
-                           " megarl.data.schema (declare a new one there, with its kind, shape and writer)")
+            raise KeyError(
+                f"{self.name} batch has no column {name!r}; {hint}declared columns are listed in"
+                " megarl.data.schema (declare a new one there, with its kind, shape and writer)"
+            )
         kind = _kind_of(value)
         if kind != column.kind or value.ndim != column.ndim:
-            raise TypeError(f"batch column {name!r} must be {column.kind} [{column.dims}] ({column.doc}); got"
-                            f" {kind} with shape {list(value.shape)}")
+            raise TypeError(
+                f"batch column {name!r} must be {column.kind} [{column.dims}] ({column.doc}); got"
+                f" {kind} with shape {list(value.shape)}"
+            )
 
 
 def _kind_of(value) -> str:

@@ -8,6 +8,7 @@ and `write_task_splits` (train/test parquet). Rows have the columns every prompt
 `data_source` (the name of the matching reward in `megarl.rewards`) and `extra_info`.
 Generation is deterministic in `seed`. Pure Python (+ pyarrow to write files).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ def make_arithmetic_dataset(
     return [_arithmetic_row(rng, i, max_operand, ops, chat, num_operands) for i in range(n)]
 
 
-def _arithmetic_row(rng: random.Random, index: int, max_operand: int, ops: tuple[str, ...], chat: bool,
-                    num_operands: int = 2) -> dict[str, Any]:
+def _arithmetic_row(
+    rng: random.Random, index: int, max_operand: int, ops: tuple[str, ...], chat: bool, num_operands: int = 2
+) -> dict[str, Any]:
     operands = [rng.randint(0, max_operand) for _ in range(2)]
     operators = [rng.choice(ops)]
     for _ in range(num_operands - 2):  # draw order of the two-operand case kept: same seed, same problems
@@ -62,8 +64,14 @@ def _arithmetic_row(rng: random.Random, index: int, max_operand: int, ops: tuple
         "prompt": _prompt(f"{expression}=", chat),
         "ground_truth": str(int(evaluate_equation(expression))),
         "data_source": "arithmetic",
-        "extra_info": {"index": index, "a": operands[0], "b": operands[1], "op": operators[0],
-                       "operands": operands, "ops": operators},
+        "extra_info": {
+            "index": index,
+            "a": operands[0],
+            "b": operands[1],
+            "op": operators[0],
+            "operands": operands,
+            "ops": operators,
+        },
     }
 
 
@@ -125,8 +133,9 @@ def _countdown_problem(rng: random.Random, num_numbers: int, max_number: int, ma
     return numbers, equation, int(target)
 
 
-def make_tool_arithmetic_dataset(n: int, seed: int = 0, digits: tuple[int, int] = (3, 2), chat: bool = False,
-                                 agent_name: str = "tool_agent") -> list[dict[str, Any]]:
+def make_tool_arithmetic_dataset(
+    n: int, seed: int = 0, digits: tuple[int, int] = (3, 2), chat: bool = False, agent_name: str = "tool_agent"
+) -> list[dict[str, Any]]:
     """`n` products like "347*29=" of a `digits[0]`-digit and a `digits[1]`-digit number: far beyond what a
     tiny model computes, exact with the `calculator` tool. Rows carry `agent_name` (the loop that offers
     the tools) and `data_source` "tool_arithmetic" (its reward reads the model's final turn)."""
@@ -135,10 +144,16 @@ def make_tool_arithmetic_dataset(n: int, seed: int = 0, digits: tuple[int, int] 
     rng = random.Random(seed)
     rows = []
     for index in range(n):
-        a, b = (rng.randint(10 ** (d - 1), 10 ** d - 1) for d in digits)
-        rows.append({"prompt": _prompt(f"{a}*{b}=", chat), "ground_truth": str(a * b),
-                     "data_source": "tool_arithmetic", "agent_name": agent_name,
-                     "extra_info": {"index": index, "expression": f"{a}*{b}"}})
+        a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
+        rows.append(
+            {
+                "prompt": _prompt(f"{a}*{b}=", chat),
+                "ground_truth": str(a * b),
+                "data_source": "tool_arithmetic",
+                "agent_name": agent_name,
+                "extra_info": {"index": index, "expression": f"{a}*{b}"},
+            }
+        )
     return rows
 
 
@@ -159,8 +174,9 @@ def make_task_dataset(task: str, n: int, seed: int = 0, **kwargs) -> list[dict[s
 HOLDOUTS = ("samples", "problems")
 
 
-def write_task_splits(task: str, n: int, out_dir: str, seed: int = 0, test_fraction: float = 0.1,
-                      holdout: str = "samples", **kwargs) -> dict[str, str]:
+def write_task_splits(
+    task: str, n: int, out_dir: str, seed: int = 0, test_fraction: float = 0.1, holdout: str = "samples", **kwargs
+) -> dict[str, str]:
     """Write `n` rows as `train.parquet` + `test.parquet` (a `test_fraction` share) in `out_dir`.
 
     `holdout="samples"`: the test split is drawn from the same distribution with another seed
@@ -177,8 +193,10 @@ def write_task_splits(task: str, n: int, out_dir: str, seed: int = 0, test_fract
     n_test = max(1, round(n * test_fraction))
     test_seed = seed + 1_000_003
     if holdout == "samples":
-        splits = {"train": make_task_dataset(task, n - n_test, seed=seed, **kwargs),
-                  "test": make_task_dataset(task, n_test, seed=test_seed, **kwargs)}
+        splits = {
+            "train": make_task_dataset(task, n - n_test, seed=seed, **kwargs),
+            "test": make_task_dataset(task, n_test, seed=test_seed, **kwargs),
+        }
     else:
         test = _draw_rows(task, n_test, test_seed, kwargs, distinct=True)
         exclude = {_problem_key(row) for row in test}
@@ -193,8 +211,9 @@ def _problem_key(row: dict[str, Any]) -> str:
     return json.dumps(row["prompt"], sort_keys=True)
 
 
-def _draw_rows(task: str, n: int, seed: int, kwargs: dict, exclude: frozenset | set = frozenset(),
-               distinct: bool = False) -> list[dict[str, Any]]:
+def _draw_rows(
+    task: str, n: int, seed: int, kwargs: dict, exclude: frozenset | set = frozenset(), distinct: bool = False
+) -> list[dict[str, Any]]:
     """The first `n` rows of the task's stream (deterministic in `seed`) whose problem is not in
     `exclude` (and, with `distinct`, not already taken)."""
     draws = n
@@ -209,8 +228,10 @@ def _draw_rows(task: str, n: int, seed: int, kwargs: dict, exclude: frozenset | 
             if len(rows) == n:
                 return rows
         if draws >= 64 * n:
-            raise ValueError(f"{task}: only {len(rows)} of the {n} rows needed are distinct problems outside the "
-                             f"test split in {draws} draws: the task has too few problems for holdout='problems' "
-                             "at this size; lower n or test_fraction, widen the task (max_operand, num_operands), "
-                             "or use holdout='samples'")
+            raise ValueError(
+                f"{task}: only {len(rows)} of the {n} rows needed are distinct problems outside the "
+                f"test split in {draws} draws: the task has too few problems for holdout='problems' "
+                "at this size; lower n or test_fraction, widen the task (max_operand, num_operands), "
+                "or use holdout='samples'"
+            )
         draws *= 4

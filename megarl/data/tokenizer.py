@@ -8,6 +8,7 @@ a real `transformers.PreTrainedTokenizerFast`, so every code path that takes an 
 `load_tokenizer(path)` loads any saved tokenizer (the trainer uses it). Imports only `tokenizers` and
 `transformers` (CPU, no megatron / vLLM / Ray).
 """
+
 from __future__ import annotations
 
 import string
@@ -33,7 +34,7 @@ TOOLS_HEADER = (
 )
 TOOLS_FOOTER = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within"
-    " <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\":"
+    ' <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments":'
     " <args-json-object>}\n</tool_call>"
 )
 CHATML_TOOLS_TEMPLATE = (

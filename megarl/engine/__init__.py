@@ -39,13 +39,24 @@ Not supported yet: expert parallelism (the bridge has no MoE families yet; dense
 
 Imports megatron-core lazily (inside functions); must not import vLLM or Ray.
 """
+
 from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.engine.engine import MegatronEngine, validate_engine_config
+from megarl.engine.heads import LogProbHead, ScoreHead, ValueHead
 from megarl.engine.micro import MicroBatch, shard_for_dp
 from megarl.engine.parallel import RoleGroups, build_role_groups, init_global_state
-from megarl.engine.heads import LogProbHead, ScoreHead, ValueHead
 
 __all__ = [
-    "EngineConfig", "LogProbHead", "MegatronEngine", "MicroBatch", "OptimConfig", "RoleGroups", "ScoreHead",
-    "ValueHead", "build_role_groups", "init_global_state", "shard_for_dp", "validate_engine_config",
+    "EngineConfig",
+    "LogProbHead",
+    "MegatronEngine",
+    "MicroBatch",
+    "OptimConfig",
+    "RoleGroups",
+    "ScoreHead",
+    "ValueHead",
+    "build_role_groups",
+    "init_global_state",
+    "shard_for_dp",
+    "validate_engine_config",
 ]

@@ -13,6 +13,7 @@ crash mid-save never leaves a directory that looks complete (and never harms an 
 Saving and loading are collective over the whole torch.distributed world (dist_checkpointing's
 default), so the role must span every rank. Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,12 @@ def _model_state(engine) -> dict:
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -90,8 +95,11 @@ def _init_adam_state(optimizer) -> None:
             for param in group["params"]:
                 state = inner.state[param]
                 if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param.data),
-                                 exp_avg_sq=torch.zeros_like(param.data))
+                    state.update(
+                        step=torch.tensor(0.0),
+                        exp_avg=torch.zeros_like(param.data),
+                        exp_avg_sq=torch.zeros_like(param.data),
+                    )
 
 
 def _distributed_optimizers(optimizer) -> list:
@@ -181,9 +189,11 @@ def _regroup_optimizer_state(optimizer, loaded: dict):
     for i, sub in enumerate(subs):
         here = loaded[i] if len(subs) > 1 else loaded
         groups = [_saved_group(group, saved_groups) for group in sub.optimizer.param_groups]
-        states[i] = {**{k: v for k, v in saved[0].items() if not isinstance(k, int)},
-                     "optimizer": {**saved[0]["optimizer"], "param_groups": groups},
-                     "param_state": here["param_state"]}
+        states[i] = {
+            **{k: v for k, v in saved[0].items() if not isinstance(k, int)},
+            "optimizer": {**saved[0]["optimizer"], "param_groups": groups},
+            "param_state": here["param_state"],
+        }
     return states if len(subs) > 1 else states[0]
 
 
@@ -201,9 +211,15 @@ def _full_state(engine, *, loading: bool, with_rng: bool) -> dict:
 
 
 def _meta(engine) -> dict:
-    return {"format_version": FORMAT_VERSION, "kind": "train-state", "step": engine.step,
-            "layout": dataclasses.asdict(engine.config.layout), "world_size": dist.get_world_size(),
-            "has_optimizer": engine.optimizer is not None, "model_type": engine.bridge.dims.model_type}
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "train-state",
+        "step": engine.step,
+        "layout": dataclasses.asdict(engine.config.layout),
+        "world_size": dist.get_world_size(),
+        "has_optimizer": engine.optimizer is not None,
+        "model_type": engine.bridge.dims.model_type,
+    }
 
 
 def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
@@ -213,8 +229,9 @@ def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
     target = check_target(path, overwrite)
     staging = shared_staging_dir(target)
     try:
-        dist_checkpointing.save(_full_state(engine, loading=False, with_rng=True), str(staging),
-                                sharded_strategy=save_strategy())
+        dist_checkpointing.save(
+            _full_state(engine, loading=False, with_rng=True), str(staging), sharded_strategy=save_strategy()
+        )
         if dist.get_rank() == 0:
             copy_hf_side_files(Path(engine.hf_path), staging / "hf")
         meta = _meta(engine)
@@ -233,7 +250,9 @@ def load_checkpoint(engine, path) -> dict:
     from megarl.models.convert import load_model_state
 
     meta = read_metadata(path)
-    same_layout = meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
+    same_layout = (
+        meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
+    )
     if engine.optimizer is not None and not meta.get("has_optimizer", True):
         raise ValueError(f"{path} holds no optimizer state; it cannot resume training")
     try:
@@ -244,9 +263,11 @@ def load_checkpoint(engine, path) -> dict:
                 engine.optimizer.load_state_dict(_regroup_optimizer_state(engine.optimizer, loaded["optimizer"]))
             engine.scheduler.load_state_dict(loaded["scheduler"])
     except KeyError as err:  # megatron matches optimizer param groups by (lr, min_lr, weight decay, ...)
-        raise CheckpointError(f"{path}: the optimizer's parameter groups do not match the checkpoint's ({err});"
-                              " resume with the same OptimConfig (lr, min_lr, weight_decay) it was saved with (and rebuild this"
-                              " engine: its weights may be half loaded)") from err
+        raise CheckpointError(
+            f"{path}: the optimizer's parameter groups do not match the checkpoint's ({err});"
+            " resume with the same OptimConfig (lr, min_lr, weight_decay) it was saved with (and rebuild this"
+            " engine: its weights may be half loaded)"
+        ) from err
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     engine.step = int(loaded["step"])
@@ -259,7 +280,15 @@ def export_hf(engine, path, *, overwrite: bool = True) -> dict:
     staging = shared_staging_dir(target)
     groups = engine.groups
     writes = groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
-    summary = write_hf_shards(staging, engine.hf_weights(), writes=writes, pp_rank=groups.pp_rank,
-                              pp_size=engine.config.layout.pp, side_files_from=Path(engine.hf_path))
-    publish_collective(staging, target, MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step})
+    summary = write_hf_shards(
+        staging,
+        engine.hf_weights(),
+        writes=writes,
+        pp_rank=groups.pp_rank,
+        pp_size=engine.config.layout.pp,
+        side_files_from=Path(engine.hf_path),
+    )
+    publish_collective(
+        staging, target, MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "step": engine.step}
+    )
     return summary

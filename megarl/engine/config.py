@@ -3,6 +3,7 @@
 Owns: `OptimConfig` (Adam, LR schedule, clipping) and `EngineConfig` (layout, precision, token
 budget, seed). Defaults live here; YAML only overrides. Must not import megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -21,6 +21,7 @@ cp=1 gradient (the engine's loss scaling is derived in `engine._micro_loss`).
 
 Imports only torch (any torch.distributed group works, gloo included).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class CPShard:
 def cp_columns(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Columns of a width-`seq_len` frame that CP rank `cp_rank` holds, in its local order."""
     if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence width {seq_len} is not a multiple of 2*cp = {2 * cp_size}; pad micro-batches"
-                         " to it (make_micro_batches(width_multiple=...))")
+        raise ValueError(
+            f"sequence width {seq_len} is not a multiple of 2*cp = {2 * cp_size}; pad micro-batches"
+            " to it (make_micro_batches(width_multiple=...))"
+        )
     chunk = seq_len // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])

@@ -20,6 +20,7 @@ per-token outputs back to full rows over the CP group, so outputs and losses equ
 Batches are this DP rank's rows (`micro.shard_for_dp` splits a full batch). Must not import vLLM
 or Ray; roles (`megarl.workers`) compose an engine with heads and losses.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,20 +51,23 @@ def resolve_dtype(name: str) -> torch.dtype:
 class MegatronEngine:
     """One role's Megatron model on its own process groups: forward, train steps, offload, checkpoints."""
 
-    def __init__(self, hf_path, config: EngineConfig, groups: RoleGroups, *, value_head: bool = False,
-                 load_weights: bool = True):
+    def __init__(
+        self, hf_path, config: EngineConfig, groups: RoleGroups, *, value_head: bool = False, load_weights: bool = True
+    ):
         self.config, self.groups, self.hf_path = config, groups, str(hf_path)
         _check_groups(config, groups)
         validate_engine_config(hf_path, config, groups.world_size)
-        self.bridge = ModelBridge.from_hf_path(hf_path, config.layout, dtype=resolve_dtype(config.dtype),
-                                               value_head=value_head)
+        self.bridge = ModelBridge.from_hf_path(
+            hf_path, config.layout, dtype=resolve_dtype(config.dtype), value_head=value_head
+        )
         self.tf_config = self._transformer_config()
         chunks = self.bridge.build(groups.pp_rank, config=self.tf_config, pg_collection=groups.pg)
         if value_head:
             _seed_value_head(chunks, config.seed)
         if load_weights:
-            self.bridge.load_hf_weights(chunks, hf_path, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                                        ep_rank=groups.ep_rank)
+            self.bridge.load_hf_weights(
+                chunks, hf_path, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, ep_rank=groups.ep_rank
+            )
         self.optimizer = self.scheduler = None
         self.model = self._wrap_for_training(chunks) if config.optim else chunks
         self.step = 0
@@ -76,16 +80,26 @@ class MegatronEngine:
         # Variable micro-batch shapes are exchanged between stages, except under the interleaved
         # schedule: with PP=2 both neighbours are one peer and megatron's shape and tensor messages
         # cross (hangs on gloo), so VPP pads every micro-batch to one fixed shape instead.
-        return self.bridge.transformer_config(variable_seq_lengths=self.config.layout.vpp == 1,
-                                              **(recompute if self.config.recompute else {}))
+        return self.bridge.transformer_config(
+            variable_seq_lengths=self.config.layout.vpp == 1, **(recompute if self.config.recompute else {})
+        )
 
     def _wrap_for_training(self, chunks):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=True)
-        model = [DistributedDataParallel(self.tf_config, ddp_config, chunk, pg_collection=self.groups.pg,
-                                         disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
+        model = [
+            DistributedDataParallel(
+                self.tf_config, ddp_config, chunk, pg_collection=self.groups.pg, disable_bucketing=i > 0
+            )
+            for i, chunk in enumerate(chunks)
+        ]
         for chunk in model:
             chunk.broadcast_params()  # DP replicas start identical (e.g. a freshly initialised value head)
         self.tf_config.finalize_model_grads_func = finalize_model_grads
@@ -99,10 +113,19 @@ class MegatronEngine:
 
         o = self.config.optim
         dtype = self.bridge.dtype
-        cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                              adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                              clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                              use_distributed_optimizer=True)
+        cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
         return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False, pg_collection=self.groups.pg)
 
     def _scheduler(self, optimizer):
@@ -110,10 +133,19 @@ class MegatronEngine:
 
         o = self.config.optim
         decay_steps = max(o.decay_steps or 0, o.warmup_steps + 1)
-        return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-                                       lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps,
-                                       lr_decay_style=o.decay_style, start_wd=o.weight_decay,
-                                       end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        return OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -144,8 +176,13 @@ class MegatronEngine:
         minimum = layout.pp if layout.vpp > 1 else 1
         # Sequence parallelism splits each CP rank's S/cp columns over TP; CP cuts S into 2*cp chunks.
         multiple = (layout.tp if self.tf_config.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
-        micro_batches = make_micro_batches(batch, self.config.micro_batch_tokens, min_micro_batches=minimum,
-                                           fixed_shape=layout.vpp > 1, width_multiple=multiple)
+        micro_batches = make_micro_batches(
+            batch,
+            self.config.micro_batch_tokens,
+            min_micro_batches=minimum,
+            fixed_shape=layout.vpp > 1,
+            width_multiple=multiple,
+        )
         if layout.cp > 1:
             shard = CPShard(self.groups.pg.cp, layout.cp, self.groups.cp_rank)
             for mb in micro_batches:
@@ -159,11 +196,17 @@ class MegatronEngine:
         layout = self.config.layout
         fbf = get_forward_backward_func(pp_size=layout.pp, vp_size=layout.vpp if layout.vpp > 1 else None)
         extra = {"p2p_communicator": P2PCommunicator(self.groups.pg.pp, self.tf_config)} if layout.pp > 1 else {}
-        return fbf(forward_step_func=step_fn, data_iterator=[iter(micro_batches) for _ in self.model],
-                   model=self.model, num_microbatches=len(micro_batches),
-                   seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # full width; megatron divides by cp
-                   micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches), forward_only=forward_only,
-                   pg_collection=self.groups.pg, **extra)
+        return fbf(
+            forward_step_func=step_fn,
+            data_iterator=[iter(micro_batches) for _ in self.model],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # full width; megatron divides by cp
+            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+            forward_only=forward_only,
+            pg_collection=self.groups.pg,
+            **extra,
+        )
 
     def _step_fn(self, head: Head, loss_fn: Optional[LossFn], scale: float, store: list):
         device = self.device
@@ -199,8 +242,11 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         store: list = []
-        self._run(micro_batches, self._step_fn(head, loss_fn, self.groups.dp_size * len(micro_batches), store),
-                  forward_only=False)
+        self._run(
+            micro_batches,
+            self._step_fn(head, loss_fn, self.groups.dp_size * len(micro_batches), store),
+            forward_only=False,
+        )
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -214,15 +260,22 @@ class MegatronEngine:
         stats = _broadcast_from_last_stage(local, self.groups)
         lr = self.optimizer.param_groups[0]["lr"]
         tokens = sum(mb.num_tokens for mb in micro_batches)
-        return {**stats, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr,
-                "update_ok": bool(ok), "micro_batches": len(micro_batches), "tokens": tokens}
+        return {
+            **stats,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": lr,
+            "update_ok": bool(ok),
+            "micro_batches": len(micro_batches),
+            "tokens": tokens,
+        }
 
     # ------------------------------------------------------------------ weights
 
     def hf_weights(self):
         """HF-named full tensors of this pipeline stage (TP shards and, for MoE, every EP rank's experts gathered)."""
-        return self.bridge.iter_hf_weights(self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp,
-                                           ep_group=self.groups.pg.ep)
+        return self.bridge.iter_hf_weights(
+            self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp, ep_group=self.groups.pg.ep
+        )
 
     def save_checkpoint(self, path, *, overwrite: bool = True) -> dict:
         """Model, optimizer, scheduler, RNG and step, atomically (collective over the world)."""
@@ -285,7 +338,8 @@ def _check_moe_training(bridge: ModelBridge, config: EngineConfig) -> None:
         raise NotImplementedError(
             f"layout.tp={config.layout.tp} with a MoE model ({bridge.dims.model_type}): megatron-core trains MoE"
             " layers at TP > 1 only with sequence parallelism, which needs Transformer Engine (GPU); on CPU"
-            " use tp=1 and split the experts with layout.ep instead")
+            " use tp=1 and split the experts with layout.ep instead"
+        )
 
 
 def check_context_parallel(layout) -> None:
@@ -297,7 +351,8 @@ def check_context_parallel(layout) -> None:
         raise LayoutError(
             f"layout.cp={layout.cp}: context parallelism needs Transformer Engine's attention (a CUDA GPU with"
             " transformer_engine installed, e.g. the NGC PyTorch image); TE is not importable here, and"
-            " megatron-core's local attention supports only cp=1. Install TE on a GPU machine or set layout.cp=1")
+            " megatron-core's local attention supports only cp=1. Install TE on a GPU machine or set layout.cp=1"
+        )
 
 
 def _seed_value_head(chunks, seed: int) -> None:

@@ -14,6 +14,7 @@ response columns, so every CP rank returns the cp=1 rows and computes the same l
 backward keeps only this rank's columns (see `megarl.engine.context`).
 Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,14 @@ class LogProbHead:
 
     def __call__(self, output: torch.Tensor, mb: MicroBatch) -> dict:
         targets = mb.local_targets().to(output.device)  # this CP rank's positions (all of them at cp=1)
-        log_probs, entropy = vocab_parallel_logprobs(output, targets, tp_group=self.tp_group, vocab_size=self.vocab_size,
-                                                     temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        log_probs, entropy = vocab_parallel_logprobs(
+            output,
+            targets,
+            tp_group=self.tp_group,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            chunk_tokens=self.chunk_tokens,
+        )
         return {"log_probs": mb.to_response(mb.gather_cp(log_probs)), "entropy": mb.to_response(mb.gather_cp(entropy))}
 
 

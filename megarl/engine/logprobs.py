@@ -18,6 +18,7 @@ and ∂/∂logits = (∂/∂x) / T.
 
 Imports only torch (the TP group is any torch.distributed group, or None for TP = 1).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -109,9 +110,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         valid = _valid_columns(flat.shape[-1], start, vocab_size)
         outs = [torch.empty(tgt.shape, dtype=torch.float32, device=logits.device) for _ in range(3)]
         for lo in range(0, flat.shape[0], chunk_tokens):
-            x = _scaled(flat[lo:lo + chunk_tokens], valid, temperature)
-            for out, value in zip(outs, _chunk_forward(x, tgt[lo:lo + chunk_tokens], start, group)):
-                out[lo:lo + chunk_tokens] = value
+            x = _scaled(flat[lo : lo + chunk_tokens], valid, temperature)
+            for out, value in zip(outs, _chunk_forward(x, tgt[lo : lo + chunk_tokens], start, group)):
+                out[lo : lo + chunk_tokens] = value
         log_probs, log_z, entropy = outs
         ctx.save_for_backward(logits, target, log_z, entropy)
         ctx.args = (start, valid, temperature, chunk_tokens)
@@ -138,9 +139,15 @@ def _grad_or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Te
     return torch.zeros(like.shape, dtype=torch.float32, device=like.device) if grad is None else grad
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_group=None,
-                            vocab_size: Optional[int] = None, temperature: float = 1.0,
-                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group=None,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), entropy), both float32 [...], from this rank's vocabulary shard of the logits.
 
     logits: [..., V/tp] (TP rank r holds columns [r·V/tp, (r+1)·V/tp)); target: [...] global token ids;
@@ -148,9 +155,12 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, *, tp_gr
     Differentiable with respect to `logits`.
     """
     if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim"
-                         f" {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal logits shape without the vocab dim"
+            f" {tuple(logits.shape[:-1])}"
+        )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
-    return _VocabParallelLogProbs.apply(logits, target.long(), tp_group, vocab_size, float(temperature),
-                                        int(chunk_tokens))
+    return _VocabParallelLogProbs.apply(
+        logits, target.long(), tp_group, vocab_size, float(temperature), int(chunk_tokens)
+    )

@@ -13,6 +13,7 @@ of those columns back into the full [b, S] frame, so heads and `to_response` see
 
 Imports only torch, numpy, megarl.data and megarl.engine.context (no megatron, vLLM or Ray).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class MicroBatch:
         shift=0: the output *at* response token t (reward model score at the last token).
         Columns without a source position (response padding) read position 0; mask them out.
         """
-        frame = frame[:len(self.rows)]  # drop filler rows of fixed-shape micro-batches
+        frame = frame[: len(self.rows)]  # drop filler rows of fixed-shape micro-batches
         response_len = self.batch["response_mask"].shape[1]
         columns = torch.arange(self.seq_len - response_len, self.seq_len)
         index = columns.unsqueeze(0) - shift - self.first.unsqueeze(1)
@@ -113,8 +114,9 @@ def make_micro_batch(batch: Batch, rows: np.ndarray, width: int = 0, num_rows: i
     return MicroBatch(np.asarray(rows), tokens, positions, targets, first, lengths, ids.shape[1], batch[rows])
 
 
-def make_micro_batches(batch: Batch, max_tokens: int, min_micro_batches: int = 1,
-                       fixed_shape: bool = False, width_multiple: int = 1) -> list[MicroBatch]:
+def make_micro_batches(
+    batch: Batch, max_tokens: int, min_micro_batches: int = 1, fixed_shape: bool = False, width_multiple: int = 1
+) -> list[MicroBatch]:
     """Micro-batches of at most `max_tokens` real tokens each (a longer row gets its own).
 
     fixed_shape: pad all to the same [rows, width] (the step's longest row, the fullest pack).

@@ -10,6 +10,7 @@ is tested without a GPU.
 
 Imports only torch.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional

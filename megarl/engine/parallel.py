@@ -15,6 +15,7 @@ tracker), neither of which depends on a layout.
 Must not import vLLM or Ray. Creating groups is collective: every process of the world calls
 `build_role_groups` for every role, in the same order, even for roles it is not part of.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,25 +81,34 @@ class RoleGroups:
         return self.pp_rank == 0
 
 
-def check_layout(layout: ParallelLayout, world_size: int, *, num_layers: int | None = None,
-                 num_heads: int | None = None, num_kv_heads: int | None = None) -> int:
+def check_layout(
+    layout: ParallelLayout,
+    world_size: int,
+    *,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> int:
     """DP size of `layout` over `world_size` ranks; `LayoutError` naming what does not divide."""
     dp = layout.dp_size(world_size)
     if layout.ep > 1 and (dp * layout.cp) % layout.ep:
-        raise LayoutError(f"ep={layout.ep} must divide dp*cp = {dp}*{layout.cp} (experts are split over"
-                          " the data-parallel ranks of a stage)")
+        raise LayoutError(
+            f"ep={layout.ep} must divide dp*cp = {dp}*{layout.cp} (experts are split over"
+            " the data-parallel ranks of a stage)"
+        )
     if num_layers is not None:
         layout.check_model(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads)
     return dp
 
 
-def build_role_groups(layout: ParallelLayout, world_size: Optional[int] = None,
-                      rank_offset: int = 0) -> RoleGroups:
+def build_role_groups(layout: ParallelLayout, world_size: Optional[int] = None, rank_offset: int = 0) -> RoleGroups:
     """Create a role's process groups over ranks [rank_offset, rank_offset + world_size) (collective)."""
     world_size = world_size or dist.get_world_size() - rank_offset
     if rank_offset + world_size > dist.get_world_size():
-        raise LayoutError(f"role spans ranks {rank_offset}..{rank_offset + world_size - 1} but the world"
-                          f" has only {dist.get_world_size()}")
+        raise LayoutError(
+            f"role spans ranks {rank_offset}..{rank_offset + world_size - 1} but the world"
+            f" has only {dist.get_world_size()}"
+        )
     dp = check_layout(layout, world_size)
     member = rank_offset <= dist.get_rank() < rank_offset + world_size
     pg = _collection(layout, dp, rank_offset, member)
@@ -127,11 +137,21 @@ def _collection(layout: ParallelLayout, dp: int, rank_offset: int, member: bool)
 
 
 _DENSE_GROUPS = {
-    "tp": ["tp"], "cp": ["cp"], "dp": ["dp"], "pp": ["pp"], "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
-    "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"], "world": ["tp", "cp", "dp", "pp"],
+    "tp": ["tp"],
+    "cp": ["cp"],
+    "dp": ["dp"],
+    "pp": ["pp"],
+    "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
+    "world": ["tp", "cp", "dp", "pp"],
 }
 _EXPERT_GROUPS = {
-    "ep": ["ep"], "expt_tp": ["expt_tp"], "expt_dp": ["expt_dp"], "tp_ep": ["expt_tp", "ep"],
+    "ep": ["ep"],
+    "expt_tp": ["expt_tp"],
+    "expt_dp": ["expt_dp"],
+    "tp_ep": ["expt_tp", "ep"],
     "tp_ep_pp": ["expt_tp", "ep", "pp"],
 }
 
@@ -169,5 +189,10 @@ def init_global_state(groups: RoleGroups, seed: int = 1234) -> None:
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp_rank, ep_rank=groups.pg.ep.rank(),
-                                                    etp_rank=groups.pg.expt_tp.rank(), force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed,
+        tp_rank=groups.tp_rank,
+        ep_rank=groups.pg.ep.rank(),
+        etp_rank=groups.pg.expt_tp.rank(),
+        force_reset_rng=True,
+    )

@@ -8,6 +8,7 @@ one parameter at a time. Used by the conversion CLI, the training engine and the
 Expert TP is megatron-core's default, the TP size, and its groups hold the same ranks as the TP
 groups (TP is the fastest rank dimension of both grids), so a rank's expert-TP rank is its TP rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,11 +17,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from megarl.models import spec
 from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.models.hf_io import HFCheckpointReader
 from megarl.models.layout import ParallelLayout
 from megarl.models.mapping import WeightMap
-from megarl.models import spec
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,15 @@ logger = logging.getLogger(__name__)
 class ModelBridge:
     """One model (actor, reference, critic or reward) at one parallel layout."""
 
-    def __init__(self, hf_config, layout: ParallelLayout = ParallelLayout(), *, dtype=torch.float32,
-                 value_head: bool = False, vocab_divisible_by: int = 128):
+    def __init__(
+        self,
+        hf_config,
+        layout: ParallelLayout = ParallelLayout(),
+        *,
+        dtype=torch.float32,
+        value_head: bool = False,
+        vocab_divisible_by: int = 128,
+    ):
         self.hf_config = hf_config
         self.dims = describe_hf_config(hf_config)
         layout.check_dims(self.dims)
@@ -50,8 +58,13 @@ class ModelBridge:
         """The model chunks of pipeline rank `pp_rank` (one per virtual stage)."""
         config = config or self.transformer_config()
         return spec.build_model_chunks(
-            self.dims, config, pp_rank=pp_rank, hf_config=self.hf_config, value_head=self.value_head,
-            pg_collection=pg_collection, vocab_divisible_by=self.vocab_divisible_by,
+            self.dims,
+            config,
+            pp_rank=pp_rank,
+            hf_config=self.hf_config,
+            value_head=self.value_head,
+            pg_collection=pg_collection,
+            vocab_divisible_by=self.vocab_divisible_by,
         )
 
     def _lookup(self, name: str, layer_offset: int, ep_rank: int):
@@ -64,8 +77,16 @@ class ModelBridge:
             for name, param in _unwrap(chunk).named_parameters():
                 yield name, param, offset
 
-    def load_hf_weights(self, chunks, source, *, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
-                        progress: Optional[Callable[[str], None]] = None) -> None:
+    def load_hf_weights(
+        self,
+        chunks,
+        source,
+        *,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        ep_rank: int = 0,
+        progress: Optional[Callable[[str], None]] = None,
+    ) -> None:
         """Copy this rank's shards from an HF checkpoint (path or reader) into `chunks`, one tensor at a time."""
         reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
         plan = [(p, self._lookup(n, off, ep_rank)) for n, p, off in self._chunk_params(chunks, pp_rank)]
@@ -76,8 +97,10 @@ class ModelBridge:
             full = mapping.to_mcore([reader.get(n) for n in mapping.hf], self.dims, padded)
             local = mapping.shard(full, tp_rank, self.layout.tp)
             if local.shape != param.shape:
-                raise ValueError(f"{mapping.hf} → {mapping.mcore}: shape {tuple(local.shape)} does not fit the"
-                                 f" model's {tuple(param.shape)}; does config.json match the weights?")
+                raise ValueError(
+                    f"{mapping.hf} → {mapping.mcore}: shape {tuple(local.shape)} does not fit the"
+                    f" model's {tuple(param.shape)}; does config.json match the weights?"
+                )
             with torch.no_grad():
                 param.copy_(local)
             if progress:
@@ -85,8 +108,11 @@ class ModelBridge:
 
     def count_hf_tensors(self, chunks, pp_rank: int = 0) -> int:
         """How many tensors `iter_hf_weights` yields for these chunks (expert weights: of every EP rank)."""
-        mappings = [self.weight_map.lookup(name, offset) for name, _, offset in self._chunk_params(chunks, pp_rank)
-                    if not self.weight_map.is_tied_copy(name)]
+        mappings = [
+            self.weight_map.lookup(name, offset)
+            for name, _, offset in self._chunk_params(chunks, pp_rank)
+            if not self.weight_map.is_tied_copy(name)
+        ]
         return sum(len(m.hf) * (self.layout.ep if m.expert else 1) for m in mappings)
 
     def _keeps_fresh_head(self, mapping, reader: HFCheckpointReader) -> bool:
@@ -96,8 +122,9 @@ class ModelBridge:
         logger.info("%s has no score.weight: the value head starts from its random init", reader.path)
         return True
 
-    def iter_hf_weights(self, chunks, *, pp_rank: int = 0, tp_group=None,
-                        ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(
+        self, chunks, *, pp_rank: int = 0, tp_group=None, ep_group=None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of this pipeline stage, one parameter at a time: TP shards are gathered,
         and each local expert weight is gathered over EP into the weights of every EP rank's expert.
 

@@ -10,6 +10,7 @@ Layout of a megarl megatron checkpoint directory:
     hf/                                config.json, generation config and tokenizer files
     megarl_checkpoint.json             format, model type, dtype, layout it was written from
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,9 @@ def _dtype_name(hf_config, requested: Optional[str]) -> str:
     return name if name in _DTYPES else "float32"
 
 
-def plan_hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout, *, dtype: Optional[str] = None,
-                     overwrite: bool = False) -> ConversionPlan:
+def plan_hf_to_mcore(
+    hf_path, mcore_path, layout: ParallelLayout, *, dtype: Optional[str] = None, overwrite: bool = False
+) -> ConversionPlan:
     """Validate inputs before any weight is read: config, layout, weight files, target directory."""
     hf_config = load_hf_config(hf_path)
     dims = describe_hf_config(hf_config)
@@ -74,8 +76,10 @@ def _check_distinct(src, dst, src_flag: str, dst_flag: str) -> None:
     src_abs, dst_abs = Path(src).resolve(), Path(dst).resolve()
     if src_abs == dst_abs or src_abs in dst_abs.parents or dst_abs in src_abs.parents:
         relation = "is" if src_abs == dst_abs else "overlaps"
-        raise ValueError(f"{dst_flag} {dst} {relation} the source {src_flag} {src}: writing the result there would"
-                         f" replace the weights being converted; pick another {dst_flag}")
+        raise ValueError(
+            f"{dst_flag} {dst} {relation} the source {src_flag} {src}: writing the result there would"
+            f" replace the weights being converted; pick another {dst_flag}"
+        )
 
 
 def read_metadata(mcore_path) -> dict:
@@ -85,16 +89,19 @@ def read_metadata(mcore_path) -> dict:
         raise FileNotFoundError(f"megatron checkpoint directory {path} does not exist")
     marker = path / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"{path} has no {MARKER}: it is not a complete megarl checkpoint (an interrupted"
-                              " conversion or save leaves no marker); convert or save it again")
+        raise CheckpointError(
+            f"{path} has no {MARKER}: it is not a complete megarl checkpoint (an interrupted"
+            " conversion or save leaves no marker); convert or save it again"
+        )
     try:
         return json.loads(marker.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{marker} is corrupt ({err})") from err
 
 
-def plan_mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), *,
-                     overwrite: bool = False) -> ConversionPlan:
+def plan_mcore_to_hf(
+    mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), *, overwrite: bool = False
+) -> ConversionPlan:
     meta = read_metadata(mcore_path)
     hf_config = load_hf_config(Path(mcore_path) / "hf")
     dims = describe_hf_config(hf_config)
@@ -189,13 +196,20 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         n_params = sum(1 for c in chunks for _ in c.parameters())
         start = time.perf_counter()
         with _progress(n_params, "hf→mcore") as bar:
-            bridge.load_hf_weights(chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=_ep_rank(),
-                                   progress=lambda _: bar.update())
+            bridge.load_hf_weights(
+                chunks, plan.src, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=_ep_rank(), progress=lambda _: bar.update()
+            )
         loaded = time.perf_counter()
         staging = shared_staging_dir(Path(plan.dst))
         dist_checkpointing.save(sharded_model_state(chunks), str(staging), sharded_strategy=save_strategy())
-        meta = {"format_version": FORMAT_VERSION, "kind": "model", "model_type": bridge.dims.model_type,
-                "dtype": plan.dtype, "written_with_layout": dataclasses.asdict(plan.layout), "source": plan.src}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "kind": "model",
+            "model_type": bridge.dims.model_type,
+            "dtype": plan.dtype,
+            "written_with_layout": dataclasses.asdict(plan.layout),
+            "source": plan.src,
+        }
         if torch.distributed.get_rank() == 0:
             copy_hf_side_files(Path(plan.src), staging / "hf")
         publish_collective(staging, Path(plan.dst), MARKER, meta)
@@ -205,8 +219,9 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
         raise
 
 
-def write_hf_shards(staging: Path, weights, *, writes: bool, pp_rank: int, pp_size: int, side_files_from,
-                    progress=None) -> dict:
+def write_hf_shards(
+    staging: Path, weights, *, writes: bool, pp_rank: int, pp_size: int, side_files_from, progress=None
+) -> dict:
     """Collective: every rank drains its stage's (HF name, tensor) stream; the `writes` rank of each
     stage stores them as safetensors shards; rank 0 writes the index and the config/tokenizer files."""
     import torch.distributed as dist
@@ -220,7 +235,11 @@ def write_hf_shards(staging: Path, weights, *, writes: bool, pp_rank: int, pp_si
     writer.flush()
     maps = [None] * dist.get_world_size()
     dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
-    summary = {"tensors": sum(len(m) for m, _ in maps), "bytes": sum(b for _, b in maps), "format_version": FORMAT_VERSION}
+    summary = {
+        "tensors": sum(len(m) for m, _ in maps),
+        "bytes": sum(b for _, b in maps),
+        "format_version": FORMAT_VERSION,
+    }
     if dist.get_rank() == 0:
         write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
         copy_hf_side_files(side_files_from, staging)
@@ -228,7 +247,8 @@ def write_hf_shards(staging: Path, weights, *, writes: bool, pp_rank: int, pp_si
 
 
 def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
-    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     from megarl.models.runtime import expert_ranks
 
@@ -238,13 +258,22 @@ def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
         load_model_state(chunks, dist_checkpointing.load(sharded_model_state(chunks), plan.src))
         staging = shared_staging_dir(Path(plan.dst))
         writes = tp_rank == 0 and ps.get_data_parallel_rank() == 0
-        weights = bridge.iter_hf_weights(chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group(),
-                                         ep_group=expert_ranks()[1])
+        weights = bridge.iter_hf_weights(
+            chunks, pp_rank=pp_rank, tp_group=ps.get_tensor_model_parallel_group(), ep_group=expert_ranks()[1]
+        )
         with _progress(bridge.count_hf_tensors(chunks, pp_rank), "mcore→hf") as bar:
-            summary = write_hf_shards(staging, weights, writes=writes, pp_rank=pp_rank, pp_size=plan.layout.pp,
-                                      side_files_from=Path(plan.src) / "hf", progress=bar.update)
-        publish_collective(staging, Path(plan.dst), MARKER,
-                           {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src})
+            summary = write_hf_shards(
+                staging,
+                weights,
+                writes=writes,
+                pp_rank=pp_rank,
+                pp_size=plan.layout.pp,
+                side_files_from=Path(plan.src) / "hf",
+                progress=bar.update,
+            )
+        publish_collective(
+            staging, Path(plan.dst), MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src}
+        )
         return summary
     except BaseException:
         _cleanup_on_error(staging)

@@ -3,6 +3,7 @@
 Owns: `train_flops` (6·N·T for the weights, forward + backward, plus causal attention) and
 `PEAK_BF16_TFLOPS` (dense bf16 peaks by GPU name). Pure torch; no megatron.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,5 +36,5 @@ def _active_ffn(dims: ModelDims) -> int:
 def train_flops(dims: ModelDims, lengths: torch.Tensor) -> float:
     """FLOPs of one forward + backward over sequences of `lengths` tokens: 6·N·T + 6·L·d·Σ s²/2·2 (causal)."""
     lengths = lengths.double()
-    attention = 6 * dims.num_layers * dims.num_heads * dims.head_dim * (lengths ** 2).sum()
+    attention = 6 * dims.num_layers * dims.num_heads * dims.head_dim * (lengths**2).sum()
     return float(6 * weight_params(dims) * lengths.sum() + attention)

@@ -13,6 +13,7 @@ for Mixtral) renormalise the k probabilities. megatron-core's "top-k of the logi
 transformers adds `router_aux_loss_coef * aux` only when `output_router_logits` is true (false in
 the released Mixtral/Qwen-MoE configs), so `MoEDims.aux_loss_coef` is that coefficient or 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,8 +96,9 @@ def supported_model_types() -> list[str]:
 @register_architecture("llama")
 def _llama(cfg) -> dict:
     if getattr(cfg, "mlp_bias", False):
-        raise UnsupportedModelError("llama config with mlp_bias=true is not supported (megatron-core adds"
-                                    " bias to every linear layer or none)")
+        raise UnsupportedModelError(
+            "llama config with mlp_bias=true is not supported (megatron-core adds bias to every linear layer or none)"
+        )
     return {"qkv_bias": bool(getattr(cfg, "attention_bias", False)), "qk_norm": False}
 
 
@@ -125,8 +127,13 @@ def _qwen3(cfg) -> dict:
 @register_architecture("mixtral")
 def _mixtral(cfg) -> dict:
     _reject_sliding_window(cfg)
-    moe = _moe_dims(cfg, num_experts=cfg.num_local_experts, ffn_hidden_size=cfg.intermediate_size, norm_topk_prob=True,
-                    jitter_eps=float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0))
+    moe = _moe_dims(
+        cfg,
+        num_experts=cfg.num_local_experts,
+        ffn_hidden_size=cfg.intermediate_size,
+        norm_topk_prob=True,
+        jitter_eps=float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0),
+    )
     return {"qkv_bias": False, "qk_norm": False, "moe": moe}
 
 
@@ -134,8 +141,12 @@ def _mixtral(cfg) -> dict:
 def _qwen3_moe(cfg) -> dict:
     flags = _qwen3(cfg)
     _reject_mixed_layers(cfg)
-    moe = _moe_dims(cfg, num_experts=cfg.num_experts, ffn_hidden_size=cfg.moe_intermediate_size,
-                    norm_topk_prob=bool(cfg.norm_topk_prob))
+    moe = _moe_dims(
+        cfg,
+        num_experts=cfg.num_experts,
+        ffn_hidden_size=cfg.moe_intermediate_size,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+    )
     return {**flags, "moe": moe}
 
 
@@ -145,20 +156,28 @@ def _qwen2_moe(cfg) -> dict:
         _reject_sliding_window(cfg)
     _reject_mixed_layers(cfg)
     shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-    moe = _moe_dims(cfg, num_experts=cfg.num_experts, ffn_hidden_size=cfg.moe_intermediate_size,
-                    norm_topk_prob=bool(cfg.norm_topk_prob), shared_expert_ffn_hidden_size=shared,
-                    shared_expert_gate=shared > 0)
+    moe = _moe_dims(
+        cfg,
+        num_experts=cfg.num_experts,
+        ffn_hidden_size=cfg.moe_intermediate_size,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=shared > 0,
+    )
     return {"qkv_bias": bool(getattr(cfg, "qkv_bias", True)), "qk_norm": False, "moe": moe}
 
 
 def _moe_dims(cfg, **fields) -> MoEDims:
     topk = cfg.num_experts_per_tok
     if not 0 < topk <= fields["num_experts"]:
-        raise UnsupportedModelError(f"num_experts_per_tok={topk} must be in 1..{fields['num_experts']} (the number"
-                                    " of experts)")
+        raise UnsupportedModelError(
+            f"num_experts_per_tok={topk} must be in 1..{fields['num_experts']} (the number of experts)"
+        )
     if topk == 1 and fields["norm_topk_prob"]:
-        raise UnsupportedModelError("num_experts_per_tok=1 with norm_topk_prob=true (routing weight always 1) is not"
-                                    " supported: megatron-core's top-1 router needs the unnormalised softmax")
+        raise UnsupportedModelError(
+            "num_experts_per_tok=1 with norm_topk_prob=true (routing weight always 1) is not"
+            " supported: megatron-core's top-1 router needs the unnormalised softmax"
+        )
     coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
     return MoEDims(topk=topk, aux_loss_coef=coef if getattr(cfg, "output_router_logits", False) else 0.0, **fields)
 
@@ -175,7 +194,7 @@ def _reject_mixed_layers(cfg) -> None:
 _KNOWN_UNSUPPORTED = {
     "deepseek_v2": "multi-latent attention (q_lora_rank/kv_lora_rank) and group-limited routing (n_group, topk_group)",
     "deepseek_v3": "multi-latent attention (q_lora_rank/kv_lora_rank), sigmoid routing with expert bias and"
-                   " first_k_dense_replace dense layers",
+    " first_k_dense_replace dense layers",
 }
 """Families users ask for that megarl refuses, with what is missing."""
 
@@ -213,8 +232,10 @@ def load_hf_config(path: str | Path):
 
 def _check_known_unsupported(model_type) -> None:
     if model_type in _KNOWN_UNSUPPORTED:
-        raise UnsupportedModelError(f"model_type={model_type!r} is not supported yet: {_KNOWN_UNSUPPORTED[model_type]}"
-                                    f" have no bridge mapping; supported: {supported_model_types()}")
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} is not supported yet: {_KNOWN_UNSUPPORTED[model_type]}"
+            f" have no bridge mapping; supported: {supported_model_types()}"
+        )
 
 
 def _rope(cfg) -> tuple[float, str]:

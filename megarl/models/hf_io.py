@@ -4,6 +4,7 @@ Owns: `HFCheckpointReader` (lazy, one tensor at a time, with clear errors for mi
 files and missing tensors) and `HFShardWriter` (bounded-size safetensors shards + index).
 Must not import megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,18 @@ import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
-                 "tokenizer.model", "added_tokens.json")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 """Everything of an HF checkpoint but its weights: config, generation config, tokenizer files."""
 
 

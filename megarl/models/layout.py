@@ -3,6 +3,7 @@
 Owns: the `ParallelLayout` dataclass and the checks that a layout fits a model's sizes.
 Must not import megatron, vLLM or Ray (it is used to validate configs before any worker starts).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,12 @@ class ParallelLayout:
 
     def check_dims(self, dims) -> None:
         """`check_model` for a `ModelDims` (anything with num_layers, num_heads, num_kv_heads[, num_experts])."""
-        self.check_model(num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
-                         num_experts=getattr(dims, "num_experts", 0))
+        self.check_model(
+            num_layers=dims.num_layers,
+            num_heads=dims.num_heads,
+            num_kv_heads=dims.num_kv_heads,
+            num_experts=getattr(dims, "num_experts", 0),
+        )
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int, num_experts: int = 0) -> None:
         """Raise `LayoutError` naming the sizes that do not divide, before any weight is read."""
@@ -78,7 +83,9 @@ class ParallelLayout:
                 f" pick pp/vpp so that every (virtual) stage gets the same number of layers"
             )
         if num_experts and num_experts % self.ep:
-            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; pick an ep that divides"
-                              " the number of experts (every EP rank holds the same number of experts)")
+            raise LayoutError(
+                f"num_experts={num_experts} is not divisible by ep={self.ep}; pick an ep that divides"
+                " the number of experts (every EP rank holds the same number of experts)"
+            )
         if not num_experts and self.ep > 1:
             raise LayoutError(f"ep={self.ep} needs a mixture-of-experts model; this model is dense")

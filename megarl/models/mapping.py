@@ -19,6 +19,7 @@ Megatron layouts (TP1, the "full" tensor):
   Qwen2-MoE's shared expert is `mlp.shared_experts` (a dense MLP) with its sigmoid gate
   `mlp.shared_experts.gate_weight` ([1, hidden], replicated).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,6 +98,7 @@ class Mapping:
 
     def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
         """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
+
         def fill(name: str) -> str:
             name = name.replace(LAYER, str(layer))
             return name.replace(EXPERT, str(expert)) if expert is not None else name
@@ -113,8 +115,10 @@ class VocabMapping(Mapping):
     def to_mcore(self, hf_tensors, dims, padded_vocab):
         weight = hf_tensors[0]
         if weight.shape[0] != dims.vocab_size:
-            raise ValueError(f"{self.hf[0]} has {weight.shape[0]} rows but vocab_size={dims.vocab_size}: the weights"
-                             " do not fit the model; does config.json match the weights?")
+            raise ValueError(
+                f"{self.hf[0]} has {weight.shape[0]} rows but vocab_size={dims.vocab_size}: the weights"
+                " do not fit the model; does config.json match the weights?"
+            )
         padding = weight.new_zeros(padded_vocab - weight.shape[0], *weight.shape[1:])
         return torch.cat([weight, padding], dim=0)
 
@@ -129,7 +133,7 @@ class VocabMapping(Mapping):
             take = min(shard.shape[0], dims.vocab_size - row)
             if take <= 0:
                 break
-            full[row:row + take].copy_(shard[:take])
+            full[row : row + take].copy_(shard[:take])
             row += take
         return [full]
 
@@ -176,7 +180,7 @@ class QKVMapping(Mapping):
             local = shard.reshape(-1, q_rows + 2 * head_dim, *rest)
             count = local.shape[0]
             for target, part in zip((q, k, v), local.split([q_rows, head_dim, head_dim], dim=1)):
-                target[start:start + count].copy_(part)
+                target[start : start + count].copy_(part)
             start += count
         if start != groups:
             raise ValueError(f"{self.mcore}: the shards hold {start} query groups, the model has {groups}")
@@ -216,7 +220,7 @@ def _flat_view(out: torch.Tensor, offset: int, shape) -> torch.Tensor:
     numel = torch.Size(shape).numel()
     if offset + numel > out.numel():
         raise ValueError(f"the output buffer holds {out.numel()} elements; {offset + numel} are needed")
-    return out[offset:offset + numel].view(shape)
+    return out[offset : offset + numel].view(shape)
 
 
 def write_flat(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
@@ -242,11 +246,19 @@ class MoENames:
     shared_gate: str = "mlp.shared_expert_gate.weight"
 
 
-_QWEN_MOE = MoENames("mlp.gate.weight", "mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight",
-                     "mlp.experts.{expert}.down_proj.weight")
+_QWEN_MOE = MoENames(
+    "mlp.gate.weight",
+    "mlp.experts.{expert}.gate_proj.weight",
+    "mlp.experts.{expert}.up_proj.weight",
+    "mlp.experts.{expert}.down_proj.weight",
+)
 MOE_HF_NAMES = {
-    "mixtral": MoENames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.w1.weight",
-                        "block_sparse_moe.experts.{expert}.w3.weight", "block_sparse_moe.experts.{expert}.w2.weight"),
+    "mixtral": MoENames(
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{expert}.w1.weight",
+        "block_sparse_moe.experts.{expert}.w3.weight",
+        "block_sparse_moe.experts.{expert}.w2.weight",
+    ),
     "qwen2_moe": _QWEN_MOE,
     "qwen3_moe": _QWEN_MOE,
 }
@@ -343,11 +355,17 @@ class WeightMap:
     def all_mappings(self) -> list[Mapping]:
         """Every mapping of the full model, with global layer numbers, in HF order."""
         experts = range(self.dims.num_experts)
-        layers = [m.with_layer(i, e) for i in range(self.dims.num_layers) for m in self._layer.values()
-                  for e in (experts if m.expert else [None])]
-        return [self._global["embedding.word_embeddings.weight"]] + layers + [
-            m for k, m in self._global.items() if k != "embedding.word_embeddings.weight"
+        layers = [
+            m.with_layer(i, e)
+            for i in range(self.dims.num_layers)
+            for m in self._layer.values()
+            for e in (experts if m.expert else [None])
         ]
+        return (
+            [self._global["embedding.word_embeddings.weight"]]
+            + layers
+            + [m for k, m in self._global.items() if k != "embedding.word_embeddings.weight"]
+        )
 
     def local_experts(self, ep: int) -> int:
         """Experts each of `ep` expert-parallel ranks holds (0 for dense models)."""

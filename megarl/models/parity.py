@@ -4,6 +4,7 @@ Owns: `megatron_logits` (a forward-only pass through megatron-core's pipeline sc
 gathered, vocab padding dropped) and `check_parity` (HF weights → megatron at a layout, both
 models on the same tokens, max |Δlogit|). Used by tools/check_parity.py and the tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ class ParityResult:
 
     def __str__(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
-        return (f"{verdict}: max |Δlogit| = {self.max_abs_diff:.3e} (tolerance {self.atol:.0e}) at tp={self.layout.tp}"
-                f" pp={self.layout.pp} vpp={self.layout.vpp} ep={self.layout.ep}, logits {list(self.shape)}")
+        return (
+            f"{verdict}: max |Δlogit| = {self.max_abs_diff:.3e} (tolerance {self.atol:.0e}) at tp={self.layout.tp}"
+            f" pp={self.layout.pp} vpp={self.layout.vpp} ep={self.layout.ep}, logits {list(self.shape)}"
+        )
 
 
 def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -48,8 +51,13 @@ def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> Optiona
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter(input_ids.split(1)) for _ in chunks],
-            model=chunks, num_microbatches=batch, seq_length=seq, micro_batch_size=1, forward_only=True,
+            forward_step_func=forward_step,
+            data_iterator=[iter(input_ids.split(1)) for _ in chunks],
+            model=chunks,
+            num_microbatches=batch,
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=True,
         )
     if not ps.is_pipeline_last_stage():
         return None
@@ -83,8 +91,15 @@ def parity_rank(hf_paths: list[str], layout: ParallelLayout, input_ids: torch.Te
     return results
 
 
-def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, batch: int = 2, seq: int = 16,
-                      atol: float = 1e-4, seed: int = 0) -> list[ParityResult]:
+def check_parity_many(
+    hf_paths,
+    layout: ParallelLayout = ParallelLayout(),
+    *,
+    batch: int = 2,
+    seq: int = 16,
+    atol: float = 1e-4,
+    seed: int = 0,
+) -> list[ParityResult]:
     """Run megatron (one spawned world of tp*pp*ep ranks for all models) and transformers on the same tokens."""
     from megarl.models.hf_config import describe_hf_config, load_hf_config
     from megarl.utils.distributed import run_distributed
@@ -107,8 +122,10 @@ def check_parity_many(hf_paths, layout: ParallelLayout = ParallelLayout(), *, ba
 def _check_sizes(*, batch: int, seq: int, atol: float) -> None:
     for flag, value in (("--batch", batch), ("--seq-len", seq)):
         if value < 1:
-            raise ValueError(f"{flag}={value}: the parity check needs at least one token per sequence and one"
-                             f" sequence; pass {flag} >= 1")
+            raise ValueError(
+                f"{flag}={value}: the parity check needs at least one token per sequence and one"
+                f" sequence; pass {flag} >= 1"
+            )
     if not atol >= 0:
         raise ValueError(f"--atol={atol} must be >= 0")
 

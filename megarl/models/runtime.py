@@ -3,6 +3,7 @@
 Owns: `init_megatron(layout)` for tools that own the whole world (conversion, parity). The
 training engine builds per-role process-group collections instead of this global state.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ MoE (`dims.moe`): every layer's MLP is megatron-core's `MoELayer` with `Sequenti
 everywhere), dropless (no capacity factor, like HF), with the router normalisation HF uses (see
 `hf_config`). Token dispatcher: see `MOE_TOKEN_DISPATCHER`.
 """
+
 from __future__ import annotations
 
 import functools

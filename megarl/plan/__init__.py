@@ -10,6 +10,7 @@
 Layer: above megarl.config (it reads RunConfig and `derive`), below workers; imports no megatron,
 vLLM or Ray, so it runs on a laptop in well under a second.
 """
+
 from megarl.plan.hardware import GPUS, GPUSpec, gpu_spec
 from megarl.plan.planner import Assumptions, Plan, plan_run
 from megarl.plan.presets import PRESETS, resolve_dims

@@ -5,6 +5,7 @@ Numbers are the vendors' datasheet figures (dense, no sparsity); the network fig
 share of the node's scale-out bandwidth (one 400 Gb/s NIC per GPU = 50 GB/s; 800 Gb/s on B200).
 Pure Python; imports nothing of megarl.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,13 @@ GPUS = {
 }
 """SXM parts; HBM as nvidia-smi reports the total (MiB). H100/H200/B200: 400/400/800 Gb/s NIC per GPU; A100: 200 Gb/s per GPU."""
 
-OVERRIDES = {"hbm_gb": ("hbm_bytes", GB), "tflops": ("bf16_flops", 1e12), "hbm_tbps": ("hbm_bandwidth", 1e12),
-             "nvlink_gbps": ("nvlink_bandwidth", GB), "network_gbps": ("network_bandwidth", GB)}
+OVERRIDES = {
+    "hbm_gb": ("hbm_bytes", GB),
+    "tflops": ("bf16_flops", 1e12),
+    "hbm_tbps": ("hbm_bandwidth", 1e12),
+    "nvlink_gbps": ("nvlink_bandwidth", GB),
+    "network_gbps": ("network_bandwidth", GB),
+}
 """CLI names of the overridable fields -> (field, unit): --hbm-gb 94 --tflops 700 --network-gbps 25."""
 
 
@@ -50,8 +56,10 @@ def gpu_spec(name: str = "H100", **overrides) -> GPUSpec:
     """The table's GPU `name` (case-insensitive) with `overrides` (keys of OVERRIDES, None = keep) applied."""
     key = name.upper()
     if key not in GPUS:
-        raise ValueError(f"--gpu {name!r} is not in the hardware table; pick one of {', '.join(GPUS)} (and"
-                         " override fields with --hbm-gb, --tflops, --hbm-tbps, --nvlink-gbps, --network-gbps)")
+        raise ValueError(
+            f"--gpu {name!r} is not in the hardware table; pick one of {', '.join(GPUS)} (and"
+            " override fields with --hbm-gb, --tflops, --hbm-tbps, --nvlink-gbps, --network-gbps)"
+        )
     changes = {}
     for option, value in overrides.items():
         if value is None:

@@ -19,6 +19,7 @@ What the engine does, and so what is counted (megarl.engine.engine / logprobs / 
   packed shares on a sender (rollout/sharding/transport.py), bucket = DEFAULT_BUCKET_BYTES.
 Pure Python (imports megarl.models for ModelDims and the vocabulary padding).
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,16 @@ class Shard:
     def of(cls, layout, world: int) -> "Shard":
         """megarl's shard of a `ParallelLayout` over `world` GPUs (expert TP = TP, as megarl.engine.parallel)."""
         dp = world // layout.model_parallel_size
-        return cls(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, cp=layout.cp, ep=layout.ep, etp=layout.tp,
-                   dp=dp, edp=max(1, dp * layout.cp // layout.ep))
+        return cls(
+            tp=layout.tp,
+            pp=layout.pp,
+            vpp=layout.vpp,
+            cp=layout.cp,
+            ep=layout.ep,
+            etp=layout.tp,
+            dp=dp,
+            edp=max(1, dp * layout.cp // layout.ep),
+        )
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,13 @@ class RoleMemory:
 def layer_params(dims: ModelDims) -> tuple[int, int]:
     """(non-expert, routed-expert) parameters of one transformer layer."""
     h, q, kv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-    dense = h * (q + 2 * kv) + q * h + 2 * h + (q + 2 * kv if dims.qkv_bias else 0) + (2 * dims.head_dim if dims.qk_norm else 0)
+    dense = (
+        h * (q + 2 * kv)
+        + q * h
+        + 2 * h
+        + (q + 2 * kv if dims.qkv_bias else 0)
+        + (2 * dims.head_dim if dims.qk_norm else 0)
+    )
     if dims.moe is None:
         return dense + 3 * h * dims.ffn_hidden_size, 0
     moe = dims.moe
@@ -142,7 +157,9 @@ def _layer_bytes_per_token(dims: ModelDims, shard: Shard, sp: bool) -> int:
     hidden = 4 * h / (shard.tp if sp else 1)  # norm inputs, qkv input, fc1 input
     attention = (2 * q + 2 * kv) / shard.tp  # q, k, v after rotary; attention output
     if dims.moe:
-        width = (dims.moe.topk * dims.moe.ffn_hidden_size) / shard.etp + dims.moe.shared_expert_ffn_hidden_size / shard.tp
+        width = (
+            dims.moe.topk * dims.moe.ffn_hidden_size
+        ) / shard.etp + dims.moe.shared_expert_ffn_hidden_size / shard.tp
         mlp = 3 * width + 2 * dims.moe.topk * h
     else:
         mlp = 3 * dims.ffn_hidden_size / shard.tp  # fc1 output (gate, up), SwiGLU output
@@ -164,9 +181,19 @@ def micro_batch_tokens(role_cfg, max_seq_len: int) -> int:
     return max(role_cfg.micro_batch_tokens, max_seq_len)
 
 
-def role_memory(dims: ModelDims, shard: Shard, *, dtype_bytes: int = 2, trainable: bool, recompute: bool,
-                tokens: int, micro_batches: int = 1, chunk: int = 1024, sp: bool = True,
-                value_head: bool = False) -> RoleMemory:
+def role_memory(
+    dims: ModelDims,
+    shard: Shard,
+    *,
+    dtype_bytes: int = 2,
+    trainable: bool,
+    recompute: bool,
+    tokens: int,
+    micro_batches: int = 1,
+    chunk: int = 1024,
+    sp: bool = True,
+    value_head: bool = False,
+) -> RoleMemory:
     """Memory of one GPU of a role: see the module docstring for what is counted."""
     dense, expert = local_params(dims, shard, value_head)
     params = dense + expert
@@ -182,12 +209,13 @@ def role_memory(dims: ModelDims, shard: Shard, *, dtype_bytes: int = 2, trainabl
         activations = in_flight * rank_tokens * layers * saved + (rank_tokens * per_layer if recompute else 0)
     else:
         activations = 2 * rank_tokens * per_layer  # one layer's working set and the residual stream
-    return RoleMemory(weights=params * dtype_bytes,
-                      grads=params * 4 if trainable else 0,
-                      optimizer=(dense * opt_bytes // (shard.dp * shard.cp) + expert * opt_bytes // shard.edp)
-                      if trainable else 0,
-                      activations=int(activations),
-                      logits=logprob_bytes(rank_tokens, vocab_shard, chunk, backward=trainable))
+    return RoleMemory(
+        weights=params * dtype_bytes,
+        grads=params * 4 if trainable else 0,
+        optimizer=(dense * opt_bytes // (shard.dp * shard.cp) + expert * opt_bytes // shard.edp) if trainable else 0,
+        activations=int(activations),
+        logits=logprob_bytes(rank_tokens, vocab_shard, chunk, backward=trainable),
+    )
 
 
 # ----------------------------------------------------------------------------- vLLM and the weight sync
@@ -215,8 +243,9 @@ def kv_bytes_per_token(dims: ModelDims, tp: int, dtype_bytes: int = 2) -> int:
     return 2 * dims.num_layers * kv_heads * dims.head_dim * dtype_bytes
 
 
-def vllm_memory(dims: ModelDims, tp: int, hbm_bytes: int, utilization: float, max_model_len: int,
-                dtype_bytes: int = 2) -> VLLMMemory:
+def vllm_memory(
+    dims: ModelDims, tp: int, hbm_bytes: int, utilization: float, max_model_len: int, dtype_bytes: int = 2
+) -> VLLMMemory:
     """vLLM's memory split on one GPU: weights, reserved activations, and the KV cache left over."""
     h, vocab = dims.hidden_size, padded_vocab_size(dims.vocab_size, tp)
     budget = int(utilization * hbm_bytes)
@@ -226,8 +255,14 @@ def vllm_memory(dims: ModelDims, tp: int, hbm_bytes: int, utilization: float, ma
     overhead = activations + VLLM_MAX_SEQS * vocab // tp * 4 * 2 + VLLM_NON_TORCH_BYTES
     kv = budget - weights - overhead
     per_token = kv_bytes_per_token(dims, tp, dtype_bytes)
-    return VLLMMemory(budget=budget, weights=weights, overhead=overhead, kv_cache=kv, kv_bytes_per_token=per_token,
-                      sequences=max(0, kv) // (per_token * max_model_len))
+    return VLLMMemory(
+        budget=budget,
+        weights=weights,
+        overhead=overhead,
+        kv_cache=kv,
+        kv_bytes_per_token=per_token,
+        sequences=max(0, kv) // (per_token * max_model_len),
+    )
 
 
 def sync_buffer_bytes(bucket_bytes: int, tp: int, *, receiver: bool, sender: bool, prefetch: int = 1) -> int:

@@ -10,6 +10,7 @@ measures it), decode steps as a roofline (FLOPs vs HBM bytes per token), and the
 NVLink (colocated, model copy inside a node) or the network (server mode, or a copy across nodes).
 Imports megarl.config and megarl.models; never megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,18 @@ from megarl.config.validate import TRAINABLE_ROLES, derive, resolve_max_model_le
 from megarl.models.hf_config import ModelDims
 from megarl.plan.hardware import GPUSpec
 from megarl.plan.memory import (
-    CONTEXT_BYTES, VLLM_MAX_SEQS, VLLM_NON_TORCH_BYTES, RoleMemory, Shard, VLLMMemory, active_params,
-    micro_batch_tokens, role_memory, sync_buffer_bytes, total_params, vllm_memory,
+    CONTEXT_BYTES,
+    VLLM_MAX_SEQS,
+    VLLM_NON_TORCH_BYTES,
+    RoleMemory,
+    Shard,
+    VLLMMemory,
+    active_params,
+    micro_batch_tokens,
+    role_memory,
+    sync_buffer_bytes,
+    total_params,
+    vllm_memory,
 )
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
 
@@ -103,14 +114,26 @@ def role_memories(cfg: RunConfig, dims: ModelDims, derived, a: Assumptions) -> t
         trainable = role in TRAINABLE_ROLES
         rows = derived.samples_per_update.get(role, derived.samples_per_step) / shard.dp
         micro = max(1, math.ceil(rows * (prompt + response) / tokens))
-        memories[role] = role_memory(dims, shard, dtype_bytes=_dtype_bytes(cfg, role_cfg.dtype), trainable=trainable,
-                                     recompute=role_cfg.recompute, tokens=tokens, micro_batches=micro,
-                                     chunk=role_cfg.logprob_chunk_tokens, sp=cfg.resources.accelerator == "gpu",
-                                     value_head=role in VALUE_HEAD_ROLES)
+        memories[role] = role_memory(
+            dims,
+            shard,
+            dtype_bytes=_dtype_bytes(cfg, role_cfg.dtype),
+            trainable=trainable,
+            recompute=role_cfg.recompute,
+            tokens=tokens,
+            micro_batches=micro,
+            chunk=role_cfg.logprob_chunk_tokens,
+            sp=cfg.resources.accelerator == "gpu",
+            value_head=role in VALUE_HEAD_ROLES,
+        )
         lay = role_cfg.layout
-        layouts[role] = f"tp{lay.tp} pp{lay.pp}" + (f" vpp{lay.vpp}" if lay.vpp > 1 else "") + \
-            f" cp{lay.cp} ep{lay.ep} dp{shard.dp}" + (" recompute" if role_cfg.recompute else "") + \
-            (" offload" if role_cfg.offload else "")
+        layouts[role] = (
+            f"tp{lay.tp} pp{lay.pp}"
+            + (f" vpp{lay.vpp}" if lay.vpp > 1 else "")
+            + f" cp{lay.cp} ep{lay.ep} dp{shard.dp}"
+            + (" recompute" if role_cfg.recompute else "")
+            + (" offload" if role_cfg.offload else "")
+        )
     layouts["rollout"] = f"tp{cfg.rollout.tp} x{derived.rollout_engines} engines ({cfg.rollout.mode})"
     return memories, layouts
 
@@ -154,8 +177,9 @@ def _sync_phase(cfg, roles, resident, vllm: VLLMMemory, pool: str, colocated: bo
 # ----------------------------------------------------------------------------- time
 
 
-def phase_times(cfg: RunConfig, dims: ModelDims, derived, roles, vllm: VLLMMemory, gpu: GPUSpec,
-                a: Assumptions) -> dict[str, float]:
+def phase_times(
+    cfg: RunConfig, dims: ModelDims, derived, roles, vllm: VLLMMemory, gpu: GPUSpec, a: Assumptions
+) -> dict[str, float]:
     """Seconds per RL step of each phase (sequential, as RLTrainer.train_step runs them)."""
     _, prompt, response = _lengths(cfg, a)
     samples, n_active = derived.samples_per_step, active_params(dims)
@@ -173,10 +197,12 @@ def phase_times(cfg: RunConfig, dims: ModelDims, derived, roles, vllm: VLLMMemor
             lay = role_cfg.layout
             factor = 4 if role_cfg.recompute else 3
             bubble = 1 + (lay.pp - 1) / (lay.vpp * max(1, derived.updates_per_step[role]) * 4)
-            dp_comm = derived.updates_per_step[role] * _dp_comm_time(cfg, roles[role], derived.role_dp[role],
-                                                                     world, gpu)
-            times[f"{role} update"] = role_cfg.epochs_per_step * (factor * (forward * bubble / (world * speed)
-                                                                            + activation_comm)) + dp_comm
+            dp_comm = derived.updates_per_step[role] * _dp_comm_time(
+                cfg, roles[role], derived.role_dp[role], world, gpu
+            )
+            times[f"{role} update"] = (
+                role_cfg.epochs_per_step * (factor * (forward * bubble / (world * speed) + activation_comm)) + dp_comm
+            )
         if getattr(cfg, role).offload:
             calls = 2 if role in TRAINABLE_ROLES else 1
             times[f"{role} offload"] = calls * 2 * roles[role].static / a.host_bandwidth
@@ -211,8 +237,7 @@ def _dp_comm_time(cfg: RunConfig, memory: RoleMemory, dp: int, world: int, gpu: 
     return params * (4 + 2) * (dp - 1) / dp / _bandwidth(cfg, world, gpu)
 
 
-def generation_time(cfg: RunConfig, dims: ModelDims, derived, vllm: VLLMMemory, gpu: GPUSpec,
-                    a: Assumptions) -> float:
+def generation_time(cfg: RunConfig, dims: ModelDims, derived, vllm: VLLMMemory, gpu: GPUSpec, a: Assumptions) -> float:
     """Waves of concurrent sequences per engine; a decode step is max(FLOPs, HBM bytes) per GPU."""
     _, prompt, response = _lengths(cfg, a)
     tp = cfg.rollout.tp
@@ -244,12 +269,19 @@ def plan_run(cfg: RunConfig, dims: ModelDims, gpu: GPUSpec, assumptions: Assumpt
     """Predicted memory and time of `cfg` on `gpu` (ConfigError when the sizes do not divide)."""
     derived = derive(cfg)
     roles, layouts = role_memories(cfg, dims, derived, assumptions)
-    vllm = vllm_memory(dims, cfg.rollout.tp, gpu.hbm_bytes, cfg.rollout.gpu_memory_utilization,
-                       resolve_max_model_len(cfg))
-    plan = Plan(gpu=gpu, layouts=layouts, roles=roles, vllm=vllm, phases=pool_phases(cfg, derived, roles, vllm),
-                times=phase_times(cfg, dims, derived, roles, vllm, gpu, assumptions),
-                sequences_needed=math.ceil(derived.samples_per_step / derived.rollout_engines),
-                role_dp=dict(derived.role_dp))
+    vllm = vllm_memory(
+        dims, cfg.rollout.tp, gpu.hbm_bytes, cfg.rollout.gpu_memory_utilization, resolve_max_model_len(cfg)
+    )
+    plan = Plan(
+        gpu=gpu,
+        layouts=layouts,
+        roles=roles,
+        vllm=vllm,
+        phases=pool_phases(cfg, derived, roles, vllm),
+        times=phase_times(cfg, dims, derived, roles, vllm, gpu, assumptions),
+        sequences_needed=math.ceil(derived.samples_per_step / derived.rollout_engines),
+        role_dp=dict(derived.role_dp),
+    )
     plan.warnings = _warnings(cfg, plan)
     return plan
 
@@ -260,14 +292,20 @@ def _warnings(cfg: RunConfig, plan: Plan) -> list[str]:
     for pool, phases in plan.phases.items():
         for phase, nbytes in phases.items():
             if nbytes > hbm:
-                out.append(f"pool {pool!r}: {phase} needs {nbytes / 2**30:.1f} GiB per GPU > {plan.gpu.name}'s"
-                           f" {hbm / 2**30:.1f} GiB (offload roles, raise tp/pp/ep, recompute, or lower"
-                           " micro_batch_tokens / rollout.gpu_memory_utilization)")
+                out.append(
+                    f"pool {pool!r}: {phase} needs {nbytes / 2**30:.1f} GiB per GPU > {plan.gpu.name}'s"
+                    f" {hbm / 2**30:.1f} GiB (offload roles, raise tp/pp/ep, recompute, or lower"
+                    " micro_batch_tokens / rollout.gpu_memory_utilization)"
+                )
     if plan.vllm.kv_cache <= 0:
-        out.append(f"rollout: vLLM's weights + overhead ({(plan.vllm.weights + plan.vllm.overhead) / 2**30:.1f} GiB)"
-                   f" exceed rollout.gpu_memory_utilization x HBM ({plan.vllm.budget / 2**30:.1f} GiB): no KV cache;"
-                   " raise rollout.tp or gpu_memory_utilization")
+        out.append(
+            f"rollout: vLLM's weights + overhead ({(plan.vllm.weights + plan.vllm.overhead) / 2**30:.1f} GiB)"
+            f" exceed rollout.gpu_memory_utilization x HBM ({plan.vllm.budget / 2**30:.1f} GiB): no KV cache;"
+            " raise rollout.tp or gpu_memory_utilization"
+        )
     elif plan.vllm.sequences < 1:
-        out.append(f"rollout: the KV cache ({plan.vllm.kv_cache / 2**30:.1f} GiB) holds no full-length sequence"
-                   f" of rollout.max_model_len={resolve_max_model_len(cfg)}; raise rollout.tp or gpu_memory_utilization")
+        out.append(
+            f"rollout: the KV cache ({plan.vllm.kv_cache / 2**30:.1f} GiB) holds no full-length sequence"
+            f" of rollout.max_model_len={resolve_max_model_len(cfg)}; raise rollout.tp or gpu_memory_utilization"
+        )
     return out

@@ -8,6 +8,7 @@ config validation accepts it — `derive` (pools, DP, batch divisibility) and `c
 planned; those predicted to fit are ranked by step time, the rest by margin.
 Imports megarl.config and megarl.plan; never megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,9 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return (f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.plan.role_dp['actor']}"
-                f" | rollout tp{self.rollout_tp}" + (" | recompute" if self.recompute else ""))
+        return f"tp{self.tp} pp{self.pp} ep{self.ep} dp{self.plan.role_dp['actor']} | rollout tp{self.rollout_tp}" + (
+            " | recompute" if self.recompute else ""
+        )
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -88,5 +90,6 @@ def search(cfg: RunConfig, dims: ModelDims, gpu: GPUSpec, assumptions: Assumptio
             continue
         found.append(Candidate(tp, pp, ep, rtp, recompute, plan, candidate_cfg))
     # fitting: fastest first (times within 0.1 s: the larger margin first); the rest: closest to fitting
-    return sorted(found, key=lambda c: (not c.plan.fits, round(c.plan.step_time, 1) if c.plan.fits else 0,
-                                        -c.plan.margin))
+    return sorted(
+        found, key=lambda c: (not c.plan.fits, round(c.plan.step_time, 1) if c.plan.fits else 0, -c.plan.margin)
+    )

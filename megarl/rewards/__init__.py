@@ -8,6 +8,7 @@ Built-ins: `gsm8k`, `gsm8k_flexible`, `math`, `arithmetic`, `countdown`, `code`.
 runs model-written code. Model-based rewards live with the reward role, not here.
 Must not import torch, megatron, vLLM or Ray.
 """
+
 from megarl.rewards import code_exec, gsm8k, math_answer, tasks  # noqa: F401 -- register built-ins
 from megarl.rewards.registry import (
     BATCH_REWARDS,

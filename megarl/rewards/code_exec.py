@@ -7,6 +7,7 @@ case times out the remaining cases count as failed without running (`extra["stop
 default true), so a hung solution costs one timeout, not one per case. Give the reward runner a
 per-sample timeout above `cases × timeout_s` when that is off.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def parse_test_cases(ground_truth: str | list | dict) -> list[dict[str, str]]:
 
 def outputs_match(actual: str, expected: str) -> bool:
     """Equal up to trailing whitespace on each line and trailing blank lines."""
+
     def lines(s: str) -> list[str]:
         return [ln.rstrip() for ln in s.rstrip().splitlines()]
 

@@ -4,6 +4,7 @@ Strict mode reads the number after the last `####` (the format the GSM8K prompt 
 flexible mode takes the last number anywhere in the response. Answers compare numerically, so
 `18`, `18.00` and `$18` are equal, and so are `1,018` and `1018`. Pure Python.
 """
+
 from __future__ import annotations
 
 import re

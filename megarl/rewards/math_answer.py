@@ -5,6 +5,7 @@ Owns `extract_boxed` (last `\\boxed{...}` / `\\fbox{...}`, nested braces), `norm
 (string equality after normalisation, then exact numeric comparison, then element-wise for
 tuples/intervals). Pure Python, no dependencies.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,8 @@ def last_boxed(text: str) -> str | None:
     if idx < 0:
         return None
     rest = text[idx:]
-    if rest.startswith("\\boxed ") and not rest[len("\\boxed "):].lstrip().startswith("{"):
-        return "\\boxed " + re.split(r"[\s$]", rest[len("\\boxed "):].lstrip(), maxsplit=1)[0]
+    if rest.startswith("\\boxed ") and not rest[len("\\boxed ") :].lstrip().startswith("{"):
+        return "\\boxed " + re.split(r"[\s$]", rest[len("\\boxed ") :].lstrip(), maxsplit=1)[0]
     end = _matching_brace(rest, rest.find("{"))
     return None if end is None else rest[: end + 1]
 
@@ -42,7 +43,7 @@ def extract_boxed(text: str) -> str | None:
     if boxed is None:
         return None
     if boxed.startswith("\\boxed "):
-        return boxed[len("\\boxed "):]
+        return boxed[len("\\boxed ") :]
     return boxed[boxed.index("{") + 1 : -1]
 
 

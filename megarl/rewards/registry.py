@@ -16,6 +16,7 @@ whole step at once, for a judge model or a remote service that batches or parall
 
 one result per sample, in order (each extra holds the row's data_source). Imports nothing heavy.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

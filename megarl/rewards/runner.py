@@ -9,6 +9,7 @@ runs past `timeout_s` (an alarm inside the worker), gives that sample `failure_s
 never crashes because of one sample. Unknown data sources fail up front, before any scoring.
 Imports no torch, megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,10 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.reward_fn is not None and self.batch_reward_fn is not None:
-            raise ValueError(f"RewardConfig: set reward_fn ({self.reward_fn!r}) or batch_reward_fn"
-                             f" ({self.batch_reward_fn!r}), not both: the batch fn scores every sample")
+            raise ValueError(
+                f"RewardConfig: set reward_fn ({self.reward_fn!r}) or batch_reward_fn"
+                f" ({self.batch_reward_fn!r}), not both: the batch fn scores every sample"
+            )
         if self.num_workers < 0:
             raise ValueError(f"RewardConfig.num_workers must be >= 0, got {self.num_workers}")
         if self.timeout_s <= 0:
@@ -152,8 +155,10 @@ class RewardRunner:
         except Exception as e:  # noqa: BLE001 -- a failing judge/service fails this call's samples, not the run
             return [self._finish(None, f"batch reward fn: {type(e).__name__}: {e}") for _ in range(n)]
         if len(results) != n:
-            raise ValueError(f"RewardConfig.batch_reward_fn {self.config.batch_reward_fn!r} returned {len(results)}"
-                             f" results for {n} samples; it must return one float or dict per sample, in order")
+            raise ValueError(
+                f"RewardConfig.batch_reward_fn {self.config.batch_reward_fn!r} returned {len(results)}"
+                f" results for {n} samples; it must return one float or dict per sample, in order"
+            )
         return [self._finish(normalize_result(r), None) for r in results]
 
     def _tasks(self, solutions, ground_truths, data_sources, extras) -> list[tuple]:
@@ -176,7 +181,9 @@ class RewardRunner:
         name = self.config.reward_fn
         if name is None:
             if data_source is None:
-                raise ValueError("RewardRunner.score: no data_sources given and RewardConfig.reward_fn is None; set one")
+                raise ValueError(
+                    "RewardRunner.score: no data_sources given and RewardConfig.reward_fn is None; set one"
+                )
             name = {**DATA_SOURCE_ALIASES, **self.config.data_source_rewards}.get(data_source, data_source)
         try:
             fn = get_reward_fn(name)

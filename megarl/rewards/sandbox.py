@@ -13,6 +13,7 @@ Audit hooks are best effort (CPython code can still do harm in ways they do not 
 namespace and the rlimits are the hard limits. Run sandboxes as an unprivileged user where you
 can. No imports beyond the standard library.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 # Runs inside the sandboxed interpreter (`python -I -B -c LAUNCHER solution.py`), before user code.
-LAUNCHER = r'''
+LAUNCHER = r"""
 import os, sys, resource
 _ROOT = os.path.realpath(os.environ.pop("MEGARL_SANDBOX_ROOT"))
 _MEM = int(os.environ.pop("MEGARL_SANDBOX_MEM"))
@@ -74,7 +75,7 @@ del _make_hook, _lim, _val, _ROOT, _MEM, _FSIZE, _CPU
 import runpy
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+"""
 
 
 @dataclass
@@ -153,8 +154,14 @@ def _run(base: str, root: str, config: SandboxConfig) -> SandboxResult:
     start = time.monotonic()
     with open(paths[0], "rb") as fin, open(paths[1], "wb") as fout, open(paths[2], "wb") as ferr:
         proc = subprocess.Popen(
-            cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=root, env=_env(root, config),
-            start_new_session=True, close_fds=True,
+            cmd,
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            cwd=root,
+            env=_env(root, config),
+            start_new_session=True,
+            close_fds=True,
         )
         timed_out = _wait_or_kill(proc, config.timeout_s)
     duration = time.monotonic() - start

@@ -5,6 +5,7 @@ when it is the last integer of the response (a clean bare answer scores a little
 parseable but wrong countdown equation earns `format_score` (from `extra`, default 0.1). The countdown
 equation is evaluated with exact fractions by walking its AST (never `eval`). Pure Python.
 """
+
 from __future__ import annotations
 
 import ast

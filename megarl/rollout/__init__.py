@@ -12,12 +12,12 @@ that receive weights by broadcast), `sharding` (the sharding manager's planner, 
 protocol — `FlatBucket`, `Sender` — and its senders: in place, IPC, broadcast).
 Importing this package does not import vLLM, Ray or megatron.
 """
+
 from __future__ import annotations
 
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, WeightUpdateError
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "create_engine",
-           "vllm_available"]
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "create_engine", "vllm_available"]
 
 
 def vllm_available() -> bool:

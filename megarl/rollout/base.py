@@ -38,6 +38,7 @@ token was sampled from — log_softmax(logits / temperature), restricted to the 
 when those are on; temperature 1 when greedy — which is what the actor computes for
 `old_log_probs` (its log-prob head divides the logits by the rollout temperature).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -120,12 +121,19 @@ class Completion:
     """Prompt tokens whose KV came from the engine's prefix cache (vLLM; 0 for the embedded engine)."""
 
 
-def make_completion(token_ids, logprobs, finish_reason: str, versions: Sequence[int], current: int,
-                    num_cached_tokens: int = 0) -> Completion:
+def make_completion(
+    token_ids, logprobs, finish_reason: str, versions: Sequence[int], current: int, num_cached_tokens: int = 0
+) -> Completion:
     """A `Completion` whose `version` follows from its per-token `versions` (`current` when it has no token)."""
     versions = [int(v) for v in versions]
-    return Completion(list(token_ids), logprobs, finish_reason, version=min(versions, default=current),
-                      versions=versions, num_cached_tokens=num_cached_tokens)
+    return Completion(
+        list(token_ids),
+        logprobs,
+        finish_reason,
+        version=min(versions, default=current),
+        versions=versions,
+        num_cached_tokens=num_cached_tokens,
+    )
 
 
 class RolloutEngine(ABC):
@@ -157,8 +165,14 @@ class RolloutEngine(ABC):
         self._update_lock = threading.Lock()  # one weight update at a time
 
     # -- generation -------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(), *,
-                       request_id: Optional[str] = None, session_id: Optional[str] = None) -> list[Completion]:
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        *,
+        request_id: Optional[str] = None,
+        session_id: Optional[str] = None,
+    ) -> list[Completion]:
         """`params.n` completions of one prompt; joins the running batch. Awaitable from any event loop."""
         if not prompt_token_ids:
             raise ValueError("empty prompt: at least one token id is needed")
@@ -166,8 +180,9 @@ class RolloutEngine(ABC):
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         return await self.loop.call(self._serve(prompt, params, str(request_id), session_id))
 
-    async def generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
-                             ) -> list[list[Completion]]:
+    async def generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
+    ) -> list[list[Completion]]:
         """`generate` for many prompts at once."""
         return list(await asyncio.gather(*(self.generate(p, params) for p in prompts)))
 
@@ -190,8 +205,10 @@ class RolloutEngine(ABC):
         if self.broken:
             raise RuntimeError(self.broken)
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight on this engine; request ids must be"
-                             " unique (leave request_id=None for a fresh one)")
+            raise ValueError(
+                f"request id {request_id!r} is already in flight on this engine; request ids must be"
+                " unique (leave request_id=None for a fresh one)"
+            )
         self._requests[request_id] = session_id
         try:
             completions = await self._generate(prompt, params, request_id)
@@ -224,8 +241,7 @@ class RolloutEngine(ABC):
         return self._score(sequences)
 
     @abstractmethod
-    def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        ...
+    def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]: ...
 
     # -- pause / resume ---------------------------------------------------------------------
     async def pause(self, mode: str = "keep") -> None:
@@ -258,8 +274,7 @@ class RolloutEngine(ABC):
         """On the engine loop: returns once no forward pass runs (keep, abort) or in-flight requests are done (wait)."""
 
     @abstractmethod
-    async def _resume(self) -> None:
-        ...
+    async def _resume(self) -> None: ...
 
     # -- memory -----------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -333,14 +348,17 @@ class RolloutEngine(ABC):
 
     async def _break(self, version: int, exc: BaseException) -> None:
         async def run():
-            self.broken = (f"a weight update to policy version {version} failed after some tensors were loaded"
-                           f" ({type(exc).__name__}: {exc}); the model now mixes two versions, so this engine"
-                           f" refuses requests until an update succeeds (its version is still {self.version})")
+            self.broken = (
+                f"a weight update to policy version {version} failed after some tensors were loaded"
+                f" ({type(exc).__name__}: {exc}); the model now mixes two versions, so this engine"
+                f" refuses requests until an update succeeds (its version is still {self.version})"
+            )
             if self._requests:
                 await self._abort(list(self._requests))
+
         await self.loop.call(run())
 
-    async def _set_version(self, version: int) -> None:
+    async def _set_version(self, version: int) -> None:  # noqa: B027 -- optional hook: engines that label tokens override it
         """On the engine loop, while paused: tokens generated from now on carry `version`."""
 
     @abstractmethod
@@ -353,8 +371,13 @@ def _check_mode(mode: str, what: str) -> None:
         raise ValueError(f"{what} {mode!r} is unknown; pick one of {', '.join(PAUSE_MODES)}")
 
 
-def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | tuple], *, partial: bool = False,
-                engine: str = "engine") -> None:
+def check_specs(
+    expected: dict[str, tuple[int, ...]],
+    specs: Iterable[HFSpec | tuple],
+    *,
+    partial: bool = False,
+    engine: str = "engine",
+) -> None:
     """Names and shapes of an update against the model's; the error names the tensor and the fix."""
     seen = set()
     for spec in specs:
@@ -364,12 +387,14 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | t
             raise WeightUpdateError(
                 f"weight update has tensor {name!r}, which the {engine} model does not have"
                 f"{f' (closest: {close})' if close else ''}; nothing was loaded, the engine keeps serving"
-                " the previous version. Are the trainer and the engine built from the same architecture?")
+                " the previous version. Are the trainer and the engine built from the same architecture?"
+            )
         if tuple(shape) != tuple(expected[name]):
             raise WeightUpdateError(
                 f"weight update has tensor {name!r} with shape {tuple(shape)}, but the {engine} model expects"
                 f" {tuple(expected[name])}; nothing was loaded, the engine keeps serving the previous version."
-                " Do the trainer's and the engine's config.json match?")
+                " Do the trainer's and the engine's config.json match?"
+            )
         if name in seen:
             raise WeightUpdateError(f"weight update has tensor {name!r} twice; nothing was loaded")
         seen.add(name)
@@ -377,5 +402,5 @@ def check_specs(expected: dict[str, tuple[int, ...]], specs: Iterable[HFSpec | t
     if missing and not partial:
         raise WeightUpdateError(
             f"weight update lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}; nothing was loaded"
-            " (pass partial=True to update a subset)")
-
+            " (pass partial=True to update a subset)"
+        )

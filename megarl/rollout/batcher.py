@@ -8,6 +8,7 @@ batch; but the batch itself stops at token boundaries for a pause (keep: parked 
 then it continues on whatever weights were loaded meanwhile) and ends aborted rows there with
 their partial output. Imports the standard library and `base` only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,8 +88,11 @@ class BatchScheduler:
     gate; aborted(pending) → the completions of a request aborted before it started.
     """
 
-    def __init__(self, run_batch: Callable[[list[Pending]], list[list[Completion]]],
-                 aborted: Callable[[Pending], list[Completion]]):
+    def __init__(
+        self,
+        run_batch: Callable[[list[Pending]], list[list[Completion]]],
+        aborted: Callable[[Pending], list[Completion]],
+    ):
         self.gate = TokenGate()
         self._run_batch, self._aborted = run_batch, aborted
         self._queue: list[Pending] = []

@@ -19,6 +19,7 @@ aborts: paused in mode keep it parks (weights load meanwhile; it then recomputes
 the new weights and continues, its later tokens stamped with the new version), aborted rows end
 with their partial output.
 """
+
 from __future__ import annotations
 
 import threading
@@ -57,8 +58,14 @@ def checkpoint_params(model) -> dict[str, torch.Tensor]:
 class EmbeddedEngine(RolloutEngine):
     """A `transformers` causal LM behind the rollout-engine API (CPU or one GPU)."""
 
-    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 update_mode: str = "keep"):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        update_mode: str = "keep",
+    ):
         super().__init__(update_mode=update_mode)
         from transformers import AutoModelForCausalLM
 
@@ -118,7 +125,7 @@ class EmbeddedEngine(RolloutEngine):
             ids = [batch[i].request_id for i in members for _ in range(params.n)]
             completions = self._sample(prompts, params, ids)
             for j, i in enumerate(members):
-                results[i] = completions[j * params.n:(j + 1) * params.n]
+                results[i] = completions[j * params.n : (j + 1) * params.n]
         return results
 
     @torch.no_grad()
@@ -202,18 +209,25 @@ class _Rows:
         out = []
         for row_tokens, row_logps, end in zip(tokens, logps, self.ends):
             stop, reason = end if end is not None else (len(row_tokens), "length")
-            out.append(make_completion(row_tokens[:stop], row_logps[:stop] if self.params.logprobs else None,
-                                       reason, self.versions[:stop], current_version))
+            out.append(
+                make_completion(
+                    row_tokens[:stop],
+                    row_logps[:stop] if self.params.logprobs else None,
+                    reason,
+                    self.versions[:stop],
+                    current_version,
+                )
+            )
         return out
 
 
 def _aborted_before_start(pending: Pending, version: int) -> list[Completion]:
-    return [Completion([], [] if pending.params.logprobs else None, "abort", version)
-            for _ in range(pending.params.n)]
+    return [Completion([], [] if pending.params.logprobs else None, "abort", version) for _ in range(pending.params.n)]
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pick(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token, its log-prob) per row: argmax when greedy (log-prob at temperature 1), else a
     sample of the temperature / top-k / top-p distribution and its log-prob under that distribution."""
     if params.greedy:
@@ -235,4 +249,3 @@ def _truncated(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = probs.cumsum(-1) - probs >= params.top_p  # the mass above a token already reaches top_p
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return scaled
-

@@ -11,6 +11,7 @@ threads (Ray runs actor methods on a thread pool when `max_concurrency > 1`) or 
 Cancelling the awaiting caller cancels the coroutine on the engine loop (`run_coroutine_threadsafe`
 chains cancellation), so a dropped request is aborted, not left running. Imports the standard library only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,10 @@ class EngineLoop:
         """Run `coro` on this loop from plain code and wait for its result."""
         if self.on_loop() or threading.current_thread() is self.thread:
             coro.close()
-            raise RuntimeError("a blocking engine call was made on the engine's own event loop, where it would wait"
-                               " for itself forever: await the engine's coroutine instead")
+            raise RuntimeError(
+                "a blocking engine call was made on the engine's own event loop, where it would wait"
+                " for itself forever: await the engine's coroutine instead"
+            )
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the engine was shut down")

@@ -19,6 +19,7 @@ actor's workers, engine servers) and agent loops route every request through one
 Pure asyncio, no Ray or engine import; usable from one event loop at a time (a new loop, e.g. one
 `asyncio.run` per step, takes over once the previous one is done).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,11 +33,18 @@ DEFAULT_MAX_OUTSTANDING = 256
 class EngineRouter:
     """Assigns requests to `num_engines` engines and tracks what is outstanding where."""
 
-    def __init__(self, num_engines: int, *, max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
-                 max_sessions: int = 100_000, max_reruns: int = 8):
+    def __init__(
+        self,
+        num_engines: int,
+        *,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        max_sessions: int = 100_000,
+        max_reruns: int = 8,
+    ):
         if num_engines < 1 or max_outstanding < 1:
-            raise ValueError(f"a router needs num_engines >= 1 and max_outstanding >= 1, got {num_engines},"
-                             f" {max_outstanding}")
+            raise ValueError(
+                f"a router needs num_engines >= 1 and max_outstanding >= 1, got {num_engines}, {max_outstanding}"
+            )
         self.num_engines, self.max_outstanding = num_engines, max_outstanding
         self.max_sessions, self.max_reruns = max_sessions, max_reruns
         self.outstanding = [0] * num_engines
@@ -94,8 +102,7 @@ class EngineRouter:
         async with changed:
             changed.notify_all()
 
-    async def run(self, request_id: str, session_id: Optional[str],
-                  call: Callable[[int], Awaitable[list]]) -> list:
+    async def run(self, request_id: str, session_id: Optional[str], call: Callable[[int], Awaitable[list]]) -> list:
         """`await call(engine)` on the routed engine; rerun while an engine (not the caller) aborted it."""
         engine = await self.acquire(request_id, session_id)
         try:
@@ -105,8 +112,10 @@ class EngineRouter:
                     return completions
                 if attempt < self.max_reruns:
                     self.reruns += 1
-            raise RuntimeError(f"request {request_id!r} was aborted by its engine {self.max_reruns + 1} times in a"
-                               " row (each weight update in pause mode abort ends it); not run again")
+            raise RuntimeError(
+                f"request {request_id!r} was aborted by its engine {self.max_reruns + 1} times in a"
+                " row (each weight update in pause mode abort ends it); not run again"
+            )
         finally:
             await self.release(request_id)
 

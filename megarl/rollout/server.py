@@ -12,6 +12,7 @@ the vLLM CPU build); on GPU pass backend="nccl".
 
 Imports Ray only inside the helpers, so the module imports without it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,14 @@ class EngineServer:
         self._receiver = None
         self._joined = threading.Event()  # Ray may start receive_update before join_weight_group
 
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams = SamplingParams(), *,
-                       request_id: Optional[str] = None, session_id: Optional[str] = None) -> list[Completion]:
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        *,
+        request_id: Optional[str] = None,
+        session_id: Optional[str] = None,
+    ) -> list[Completion]:
         return await self.engine.generate(prompt_token_ids, params, request_id=request_id, session_id=session_id)
 
     async def generate_batch(self, prompts, params: SamplingParams = SamplingParams()) -> list[list[Completion]]:
@@ -50,8 +57,9 @@ class EngineServer:
     async def score(self, sequences) -> list[list[float]]:
         return await asyncio.to_thread(self.engine.score, sequences)
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                                backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    async def join_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0
+    ) -> None:
         """Join the trainer's weight group as `rank` (≥ 1); returns once the group is formed.
 
         A first `receive_update` may be sent before this resolves; when re-joining a new group,
@@ -61,8 +69,9 @@ class EngineServer:
         from megarl.rollout.sharding.broadcast import BroadcastReceiver, WeightGroup
 
         def join():
-            return BroadcastReceiver(WeightGroup(host, port, rank, world_size, backend=backend,
-                                                 timeout_s=timeout_s), self.engine)
+            return BroadcastReceiver(
+                WeightGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s), self.engine
+            )
 
         self._receiver = await asyncio.to_thread(join)
         self._joined.set()
@@ -87,9 +96,17 @@ class EngineServer:
         await asyncio.to_thread(self.engine.wake_up)
 
 
-def launch_engine_servers(model_path: str, num_servers: int, *, backend: str = "auto", num_cpus: float = 1,
-                          num_gpus: float = 0, actor_options: Optional[Sequence[dict]] = None,
-                          env: Optional[dict] = None, **engine_kwargs) -> list:
+def launch_engine_servers(
+    model_path: str,
+    num_servers: int,
+    *,
+    backend: str = "auto",
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    actor_options: Optional[Sequence[dict]] = None,
+    env: Optional[dict] = None,
+    **engine_kwargs,
+) -> list:
     """Start `num_servers` engine actors, each with its own CPUs/GPUs (Ray must be initialised).
 
     actor_options: per server, Ray options that replace num_cpus/num_gpus (e.g. a placement-group
@@ -102,8 +119,10 @@ def launch_engine_servers(model_path: str, num_servers: int, *, backend: str = "
     if len(options) != num_servers:
         raise ValueError(f"{len(options)} actor_options for {num_servers} servers")
     runtime_env = {"env_vars": dict(env)} if env else None
-    return [actor.options(runtime_env=runtime_env, **opts).remote(str(model_path), backend, **engine_kwargs)
-            for opts in options]
+    return [
+        actor.options(runtime_env=runtime_env, **opts).remote(str(model_path), backend, **engine_kwargs)
+        for opts in options
+    ]
 
 
 def connect_servers(servers: list, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 300.0) -> list:

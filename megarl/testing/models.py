@@ -4,6 +4,7 @@ Owns: `tiny_hf_config` / `save_tiny_hf_model`, one config per supported family, 
 hidden 64 by default (MoE families: 4 experts, top-2), saved with `save_pretrained` as safetensors.
 Imports transformers only.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,23 +16,53 @@ MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 """Qwen3-MoE renormalises its top-k probabilities here (as Qwen3-30B-A3B does), Qwen2-MoE does not."""
 _MOE_EXTRA = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                      head_dim=32, use_sliding_window=False),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
-                      shared_expert_intermediate_size=96, use_sliding_window=False),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        head_dim=32,
+        use_sliding_window=False,
+    ),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=96,
+        use_sliding_window=False,
+    ),
 }
 
 
-def tiny_hf_config(arch: str, *, vocab_size: int = 96, hidden_size: int = 64, num_layers: int = 2,
-                   num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                   tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None, **extra):
+def tiny_hf_config(
+    arch: str,
+    *,
+    vocab_size: int = 96,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: dict | None = None,
+    **extra,
+):
     """A tiny config of family `arch`; Qwen2 ties embeddings by default, as its small models do."""
     from transformers import AutoConfig
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if arch == "qwen2":
         common.update(tie_word_embeddings=True, use_sliding_window=False)

@@ -10,6 +10,7 @@ then worker node; or `start_head()` / `start_worker()` + `wait_started(name)`), 
 (a command in the head namespace, where the driver runs), and `down()` (kills what is left in both
 namespaces and deletes them). Needs root and iproute2 (`scripts/setup.sh` installs it on Debian).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,12 @@ class TwoNodes:
         self.head_ip, self.worker_ip = f"10.{n}.0.1", f"10.{n}.0.2"
         self.address = f"{self.head_ip}:{RAY_PORT}"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "RAY_AUTH_MODE": "disabled",
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
 
     def up(self) -> "TwoNodes":
         veth_a, veth_b = f"{self.prefix}a", f"{self.prefix}b"
@@ -76,13 +81,35 @@ class TwoNodes:
         ray = str(Path(sys.executable).with_name("ray"))
         log = open(self.workdir / f"ray_{name}.log", "w")
         self.procs[name] = subprocess.Popen(
-            ["ip", "netns", "exec", ns, ray, "start", "--block", f"--num-cpus={self.cpus}", "--num-gpus=0",
-             "--disable-usage-stats", f"--temp-dir=/tmp/ray_{ns}", *args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                ray,
+                "start",
+                "--block",
+                f"--num-cpus={self.cpus}",
+                "--num-gpus=0",
+                "--disable-usage-stats",
+                f"--temp-dir=/tmp/ray_{ns}",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
 
     def start_head(self) -> None:
-        self._ray_start("head", self.head_ns, "--head", f"--node-ip-address={self.head_ip}", f"--port={RAY_PORT}",
-                        "--include-dashboard=false")
+        self._ray_start(
+            "head",
+            self.head_ns,
+            "--head",
+            f"--node-ip-address={self.head_ip}",
+            f"--port={RAY_PORT}",
+            "--include-dashboard=false",
+        )
 
     def start_worker(self) -> None:
         self._ray_start("worker", self.worker_ns, f"--address={self.address}", f"--node-ip-address={self.worker_ip}")
@@ -119,8 +146,13 @@ class TwoNodes:
     def popen(self, command: list[str], log: Path, env: Optional[dict] = None) -> subprocess.Popen:
         """`command` in the head namespace (the driver's machine), in its own session, logging to `log`."""
         with open(log, "w") as out:
-            return subprocess.Popen(["ip", "netns", "exec", self.head_ns, *command], stdout=out,
-                                    stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, start_new_session=True)
+            return subprocess.Popen(
+                ["ip", "netns", "exec", self.head_ns, *command],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                start_new_session=True,
+            )
 
     def down(self) -> None:
         for ns in (self.worker_ns, self.head_ns):

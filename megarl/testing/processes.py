@@ -6,6 +6,7 @@ inherit it, wherever they sit in the process tree. After the run is stopped or k
 lists what is still alive (zombies excluded: their environment is gone). Linux /proc; standard
 library only.
 """
+
 from __future__ import annotations
 
 import os

@@ -20,6 +20,7 @@ Entry point: `megarl train --config configs/grpo_quickstart.yaml [dotted.overrid
 The roles themselves live in `megarl.workers`, the driver's handles on them in `megarl.controller`.
 Importing this package imports neither Ray, megatron nor vLLM.
 """
+
 from megarl.trainer.run import RunData, load_run_data, train
 
 __all__ = ["RunData", "load_run_data", "train"]

@@ -11,6 +11,7 @@ log-probs either way, without a Ray call per request.
 
 Imports the agent package and asyncio; Ray only through the engines' handles.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,12 @@ class RoutedLLM:
 
     async def generate(self, prompt_ids, params: SamplingParams):
         self.calls += 1
-        completions = await self.engines.submit(list(prompt_ids), dataclasses.replace(params, n=1),
-                                                request_id=f"{self.session_id}/{self.calls}",
-                                                session_id=self.session_id)
+        completions = await self.engines.submit(
+            list(prompt_ids),
+            dataclasses.replace(params, n=1),
+            request_id=f"{self.session_id}/{self.calls}",
+            session_id=self.session_id,
+        )
         return completions[0]
 
 
@@ -54,18 +58,21 @@ class AgentRollout:
         if self.all_single_turn(prompts):
             return self._single_turn(prompts, params, seed)
         ctx = dataclasses.replace(self.ctx, params=dataclasses.replace(params, n=1))
-        samples = [[self.sample(prompts, row, i, params, seed) for i in range(params.n)]
-                   for row in range(len(prompts))]
+        samples = [[self.sample(prompts, row, i, params, seed) for i in range(params.n)] for row in range(len(prompts))]
         return self.run_coroutine(self._agents(samples, ctx, session))
 
-    async def group(self, prompts: Batch, row: int, params: SamplingParams, seed: Optional[int],
-                    session: str) -> list[Trajectory]:
+    async def group(
+        self, prompts: Batch, row: int, params: SamplingParams, seed: Optional[int], session: str
+    ) -> list[Trajectory]:
         """Row `row`'s `params.n` trajectories, each its own request(s) through `RoutedLLM` (the asynchronous
         trainer's unit of work); sample `i` is seeded seed + row + i, as in `run`."""
         ctx = dataclasses.replace(self.ctx, params=dataclasses.replace(params, n=1))
         samples = [self.sample(prompts, row, i, params, seed) for i in range(params.n)]
-        return list(await asyncio.gather(*(run_agent(s, RoutedLLM(self.engines, f"{session}.{i}"), ctx)
-                                           for i, s in enumerate(samples))))
+        return list(
+            await asyncio.gather(
+                *(run_agent(s, RoutedLLM(self.engines, f"{session}.{i}"), ctx) for i, s in enumerate(samples))
+            )
+        )
 
     def all_single_turn(self, prompts: Batch) -> bool:
         """Every row's agent loop is single_turn (its `agent_name`, else the configured default)."""
@@ -87,8 +94,10 @@ class AgentRollout:
         requests = batching.requests(prompts, params, seed or 0)
         completions = self.engines.generate(requests)
         seconds = time.monotonic() - start
-        return [[completion_trajectory(ids, c, self.ctx.tokenizer, seconds) for c in group]
-                for (ids, _), group in zip(requests, completions)]
+        return [
+            [completion_trajectory(ids, c, self.ctx.tokenizer, seconds) for c in group]
+            for (ids, _), group in zip(requests, completions)
+        ]
 
     async def _agents(self, samples: list[list[AgentSample]], ctx: AgentContext, session: str):
         async def one(row: int, index: int, sample: AgentSample) -> Trajectory:

@@ -25,6 +25,7 @@ trainer takes them (the reward runner and reward model are driven from the train
 step's time/generate is the trainer's wait for finished groups.
 Imports asyncio and threading; Ray only through the engines' handles.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -140,15 +141,18 @@ class Producer:
                 prompts = self.loader.next_batch()
                 self.batches[k] = {"loader": before, "rows": len(prompts), "trained": self.skip.pop(k, set())}
                 self.next_batch += 1
-            self.rows.extend(Group((k, r), prompts[r:r + 1]) for r in range(len(prompts))
-                             if r not in self.batches[k]["trained"])
+            self.rows.extend(
+                Group((k, r), prompts[r : r + 1]) for r in range(len(prompts)) if r not in self.batches[k]["trained"]
+            )
         return self.rows.popleft()
 
     def admit(self, group: Group) -> bool:
         """Count `group` in (True) if the staleness bound and max_concurrent_rollouts allow it now."""
         with self.lock:
-            if (self.started + 1 > (self.trained + 1 + self.staleness) * self.per_step
-                    or self.running + self.n > self.capacity):
+            if (
+                self.started + 1 > (self.trained + 1 + self.staleness) * self.per_step
+                or self.running + self.n > self.capacity
+            ):
                 return False
             self.started, self.running = self.started + 1, self.running + self.n
             self.clock.change(self.n)
@@ -167,8 +171,9 @@ class Producer:
     async def _run(self, group: Group) -> None:
         (k, row), error, trajectories = group.key, None, None
         try:
-            trajectories = await self.agents.group(group.prompts, 0, self.params, step_seed(self.seed, k) + row,
-                                                   session=f"{k}.0:{row}")
+            trajectories = await self.agents.group(
+                group.prompts, 0, self.params, step_seed(self.seed, k) + row, session=f"{k}.0:{row}"
+            )
         except Exception as err:  # noqa: BLE001 -- handed to the trainer, which stops the run with it
             error = err
         self.finish(group, trajectories if error is None else None, error)
@@ -210,21 +215,30 @@ class Producer:
             for group in picked:
                 del self.groups[group.key]
                 self.batches[group.key[0]]["trained"].add(group.key[1])
-            stats = {"async/buffer_depth": float(depth), "async/dropped": float(self.dropped),
-                     "async/paced_seconds": self.paced, "async/in_flight": float(self.running),
-                     "async/reruns": float(self.engines.router.reruns),
-                     "time/engine_idle_share": self.clock.read() / max(time.perf_counter() - self.last_take, 1e-9)}
+            stats = {
+                "async/buffer_depth": float(depth),
+                "async/dropped": float(self.dropped),
+                "async/paced_seconds": self.paced,
+                "async/in_flight": float(self.running),
+                "async/reruns": float(self.engines.router.reruns),
+                "time/engine_idle_share": self.clock.read() / max(time.perf_counter() - self.last_take, 1e-9),
+            }
             self.dropped, self.paced, self.last_take = 0, 0.0, time.perf_counter()
         return picked, stats
 
     def _pick(self) -> tuple[list[Group], int]:
         finished = sorted((g for g in self.groups.values() if g.trajectories is not None), key=lambda g: g.key)
-        due = [] if self.over_stale == "drop" else \
-            sorted((g for g in self.groups.values() if g.admitted_at <= self.trained - self.staleness), key=lambda g: g.key)
+        due = (
+            []
+            if self.over_stale == "drop"
+            else sorted(
+                (g for g in self.groups.values() if g.admitted_at <= self.trained - self.staleness), key=lambda g: g.key
+            )
+        )
         if len(finished) < self.per_step or any(g.trajectories is None for g in due):
             return [], len(finished)
-        chosen = due[:self.per_step]
-        chosen += [g for g in finished if g not in chosen][:self.per_step - len(chosen)]
+        chosen = due[: self.per_step]
+        chosen += [g for g in finished if g not in chosen][: self.per_step - len(chosen)]
         return sorted(chosen, key=lambda g: g.key), len(finished)
 
     def _drop_stale(self) -> None:
@@ -271,9 +285,12 @@ class Producer:
             for k in [k for k in self.batches if k < first]:
                 del self.batches[k]
             loader = self.batches[first]["loader"] if first in self.batches else self.loader.state_dict()
-            return {"batch": first, "loader": loader,
-                    "trained": {k: sorted(b["trained"]) for k, b in self.batches.items() if b["trained"]},
-                    "pending": sorted(self.groups) + sorted(g.key for g in self.retry)}
+            return {
+                "batch": first,
+                "loader": loader,
+                "trained": {k: sorted(b["trained"]) for k, b in self.batches.items() if b["trained"]},
+                "pending": sorted(self.groups) + sorted(g.key for g in self.retry),
+            }
 
     def stop(self) -> None:
         """Cancel the producer and its groups, end its loop and thread."""
@@ -321,7 +338,7 @@ class AsyncRLTrainer(RLTrainer):
     def train_step(self, step: int) -> dict:
         """Take a batch of finished groups from the buffer, score it, train on it (`RLTrainer.learn`)."""
         timer = PhaseTimer()
-        with timer("generate"):                                    # the trainer waits for finished groups
+        with timer("generate"):  # the trainer waits for finished groups
             groups, stats = self.producer.take()
         batch = self.assemble(groups)
         stats.update(agent_metrics([t for g in groups for t in g.trajectories], max(timer.total, 1e-9)))
@@ -335,8 +352,7 @@ class AsyncRLTrainer(RLTrainer):
 
     def assemble(self, groups: list[Group]) -> Batch:
         """The training rows of the groups, in key order, with the synchronous run's group ids."""
-        prompts = Batch.concat([g.prompts.select(*[k for k in g.prompts.keys() if k not in _REBUILT])
-                                for g in groups])
+        prompts = Batch.concat([g.prompts.select(*[k for k in g.prompts.keys() if k not in _REBUILT]) for g in groups])
         batch = batching.trajectory_batch(prompts, [g.trajectories for g in groups], self.data.pad_token_id)
         batch["uid"] = np.array([f"{g.key[0]}.0:{g.key[1]}" for g in groups for _ in g.trajectories], dtype=object)
         return batch
@@ -348,8 +364,10 @@ class AsyncRLTrainer(RLTrainer):
             try:
                 self.pushed = super().push_weights()
             except Exception as err:
-                raise RuntimeError(f"weight update after version {before} failed; the engines keep serving"
-                                   f" version(s) {self.cluster.rollout.versions()} and the run stops: {err}") from err
+                raise RuntimeError(
+                    f"weight update after version {before} failed; the engines keep serving"
+                    f" version(s) {self.cluster.rollout.versions()} and the run stops: {err}"
+                ) from err
         return self.pushed
 
     def driver_state(self, step: int):

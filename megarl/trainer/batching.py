@@ -13,6 +13,7 @@ followed by a right-padded response.
 
 Pure torch / numpy: no Ray, megatron or vLLM.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,9 @@ def requests(prompts: Batch, params: SamplingParams, seed: int) -> list[tuple[li
     return out
 
 
-def trajectory_batch(prompts: Batch, trajectories: list[list[Trajectory]], pad_token_id: int,
-                     group_prefix: str = "") -> Batch:
+def trajectory_batch(
+    prompts: Batch, trajectories: list[list[Trajectory]], pad_token_id: int, group_prefix: str = ""
+) -> Batch:
     """Prompt rows repeated once per trajectory (interleaved), each row the trajectory's own prompt
     (left-padded; an agent loop may have rendered tools into it) followed by its response
     (right-padded), with the response mask (holes at tool / user / environment tokens), the rollout
@@ -70,25 +72,28 @@ def _left_padded(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     width = max(len(s) for s in sequences)
     out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     for i, seq in enumerate(sequences):
-        out[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        out[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
     return out
 
 
 def _prompt_mask(flat: list[Trajectory], width: int) -> torch.Tensor:
     mask = torch.zeros(len(flat), width, dtype=torch.long)
     for i, t in enumerate(flat):
-        mask[i, width - len(t.prompt_ids):] = 1
+        mask[i, width - len(t.prompt_ids) :] = 1
     return mask
 
 
 def _right_padded(flat: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Response ids, real-token mask, model-token mask, log-probs, versions and turn rewards [B, T]."""
     width = max(1, max(len(t.response_ids) for t in flat))
-    out = {"ids": torch.full((len(flat), width), pad_token_id, dtype=torch.long),
-           "real": torch.zeros(len(flat), width, dtype=torch.long),
-           "mask": torch.zeros(len(flat), width, dtype=torch.long),
-           "logprobs": torch.zeros(len(flat), width), "turn_rewards": torch.zeros(len(flat), width),
-           "versions": torch.full((len(flat), width), -1, dtype=torch.long)}
+    out = {
+        "ids": torch.full((len(flat), width), pad_token_id, dtype=torch.long),
+        "real": torch.zeros(len(flat), width, dtype=torch.long),
+        "mask": torch.zeros(len(flat), width, dtype=torch.long),
+        "logprobs": torch.zeros(len(flat), width),
+        "turn_rewards": torch.zeros(len(flat), width),
+        "versions": torch.full((len(flat), width), -1, dtype=torch.long),
+    }
     for i, t in enumerate(flat):
         n = len(t.response_ids)
         out["ids"][i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
@@ -110,9 +115,16 @@ def _turn_record(t: Trajectory, turn) -> dict:
     """One turn for rollouts/step_N.jsonl: its text, calls and results, its token count and how many of
     those the loss trains on (the response mask over the turn: all for model turns, none for tool /
     user / environment turns)."""
-    return {"role": turn.role, "text": turn.text, "tool_calls": turn.tool_calls, "tool_results": turn.tool_results,
-            "reward": turn.reward, "seconds": round(turn.seconds, 4), "tokens": turn.end - turn.start,
-            "trained_tokens": sum(t.response_mask[turn.start:turn.end])}
+    return {
+        "role": turn.role,
+        "text": turn.text,
+        "tool_calls": turn.tool_calls,
+        "tool_results": turn.tool_results,
+        "reward": turn.reward,
+        "seconds": round(turn.seconds, 4),
+        "tokens": turn.end - turn.start,
+        "trained_tokens": sum(t.response_mask[turn.start : turn.end]),
+    }
 
 
 def decode_responses(batch: Batch, tokenizer) -> list[str]:

@@ -8,6 +8,7 @@ found; `kill()` is SIGKILL of the driver's process group plus a check that nothi
 (`soak_overrides`: the quickstart config on the tiny arithmetic task, one CPU worker, the embedded
 engine, `TOTAL_STEPS` steps, a checkpoint every step, `KEEP` kept, HF export). No Ray.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,19 +27,46 @@ from megarl.trainer import state
 from megarl.trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ("startup", "anytime", "checkpoint", "driver_state", "prune", "metrics_rewrite", "export",
-         "damaged_shard", "damaged_state", "unlisted_damage", "torn_metrics")
+KINDS = (
+    "startup",
+    "anytime",
+    "checkpoint",
+    "driver_state",
+    "prune",
+    "metrics_rewrite",
+    "export",
+    "damaged_shard",
+    "damaged_state",
+    "unlisted_damage",
+    "torn_metrics",
+)
 TOTAL_STEPS, KEEP = 4, 2
 
 
 def soak_overrides(task: dict, run_dir: Path) -> list[str]:
-    return [f"model.hf_path={task['model']}", f"data.files=[{task['train']}]", f"validation.files=[{task['test']}]",
-            "data.apply_chat_template=false", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
-            "validation.max_prompts=4", "validation.every_steps=2", "trainer.progress_bar=false",
-            f"trainer.run_dir={run_dir}", "actor.optim.lr=1e-3", "actor.optim.warmup_steps=0",
-            "rollout.engine=embedded", "resources.gpus_per_node=1", "actor.layout.tp=1",
-            f"trainer.total_steps={TOTAL_STEPS}", "trainer.checkpoint_every_steps=1", f"trainer.keep_checkpoints={KEEP}",
-            "trainer.dump_rollouts_every_steps=0", "trainer.loggers=[console,jsonl]", "trainer.export_hf_at_end=true"]
+    return [
+        f"model.hf_path={task['model']}",
+        f"data.files=[{task['train']}]",
+        f"validation.files=[{task['test']}]",
+        "data.apply_chat_template=false",
+        "trainer.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "validation.max_prompts=4",
+        "validation.every_steps=2",
+        "trainer.progress_bar=false",
+        f"trainer.run_dir={run_dir}",
+        "actor.optim.lr=1e-3",
+        "actor.optim.warmup_steps=0",
+        "rollout.engine=embedded",
+        "resources.gpus_per_node=1",
+        "actor.layout.tp=1",
+        f"trainer.total_steps={TOTAL_STEPS}",
+        "trainer.checkpoint_every_steps=1",
+        f"trainer.keep_checkpoints={KEEP}",
+        "trainer.dump_rollouts_every_steps=0",
+        "trainer.loggers=[console,jsonl]",
+        "trainer.export_hf_at_end=true",
+    ]
 
 
 def make_task(root: Path) -> dict:
@@ -48,9 +76,18 @@ def make_task(root: Path) -> dict:
     from megarl.testing.models import save_tiny_hf_model
 
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model("qwen2", root / "model", vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        root / "model",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return {"model": str(root / "model"), **write_task_splits("arithmetic", 200, str(root / "data"), chat=False)}
 
 
@@ -63,11 +100,24 @@ class Launch:
     def __init__(self, task: dict, run_dir: Path, log: Path, env: Optional[dict] = None):
         self.run_dir, self.log, self.env = run_dir, log, dict(env or {})
         self.tag = f"soak-{os.getpid()}-{time.time_ns()}"
-        command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(REPO / "configs/grpo_quickstart.yaml"),
-                   *soak_overrides(task, run_dir)]
+        command = [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            "--config",
+            str(REPO / "configs/grpo_quickstart.yaml"),
+            *soak_overrides(task, run_dir),
+        ]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, TAG_VAR: self.tag, **self.env})
+            self.proc = subprocess.Popen(
+                command,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, TAG_VAR: self.tag, **self.env},
+            )
         self.start, self.wall_start = time.monotonic(), time.time()
         self.leftovers = set(engine_saving(run_dir)) | set(exporting(run_dir))  # of earlier kills
 
@@ -149,11 +199,13 @@ def held_where(kind: str, launch: Launch) -> str:
     """Where a hold point froze the run, in words."""
     rows = [r for r in read_metrics(launch.run_dir / "metrics.jsonl") if "reward/score/mean" in r]
     step = rows[-1]["step"] if rows else "?"
-    return {"driver_state": f"step {step}'s engine checkpoint and manifest written, driver state not yet",
-            "checkpoint": f"step {step}'s engine checkpoint written by every rank, not yet published",
-            "prune": f"after step {step}'s checkpoint, older ones renamed for deletion",
-            "metrics_rewrite": "a relaunch rewriting metrics.jsonl before its first step",
-            "export": "the final HF export written, not yet published"}[kind]
+    return {
+        "driver_state": f"step {step}'s engine checkpoint and manifest written, driver state not yet",
+        "checkpoint": f"step {step}'s engine checkpoint written by every rank, not yet published",
+        "prune": f"after step {step}'s checkpoint, older ones renamed for deletion",
+        "metrics_rewrite": "a relaunch rewriting metrics.jsonl before its first step",
+        "export": "the final HF export written, not yet published",
+    }[kind]
 
 
 def resumed_step(log: str) -> int:
@@ -194,8 +246,9 @@ class Progress:
 def progress(run_dir: Path) -> Progress:
     plan = state.plan_resume("auto", run_dir)
     intact = 0 if plan.directory is None else 1 + len(plan.fallbacks)
-    return Progress(plan.step, intact, (run_dir / "metrics.jsonl").is_file(),
-                    (run_dir / "hf" / "megarl_checkpoint.json").is_file())
+    return Progress(
+        plan.step, intact, (run_dir / "metrics.jsonl").is_file(), (run_dir / "hf" / "megarl_checkpoint.json").is_file()
+    )
 
 
 @dataclass
@@ -206,29 +259,46 @@ class Timing:
     train_s: float
 
 
-HOLDS = {"driver_state": "checkpoint.driver_state", "prune": "prune", "metrics_rewrite": "metrics.rewrite",
-         "checkpoint": "publish.actor", "export": "publish.hf"}
+HOLDS = {
+    "driver_state": "checkpoint.driver_state",
+    "prune": "prune",
+    "metrics_rewrite": "metrics.rewrite",
+    "checkpoint": "publish.actor",
+    "export": "publish.hf",
+}
 DAMAGES = ("damaged_shard", "damaged_state", "unlisted_damage", "torn_metrics")
 
 
 def reachable(kind: str, prog: Progress) -> bool:
     steps_left = prog.remaining > 0
-    return {"checkpoint": steps_left, "driver_state": steps_left, "prune": prog.prunes > 0, "anytime": steps_left,
-            "metrics_rewrite": prog.metrics, **{k: prog.checkpoints > 0 for k in DAMAGES},
-            "unlisted_damage": prog.checkpoints > 1}.get(kind, True)
+    return {
+        "checkpoint": steps_left,
+        "driver_state": steps_left,
+        "prune": prog.prunes > 0,
+        "anytime": steps_left,
+        "metrics_rewrite": prog.metrics,
+        **{k: prog.checkpoints > 0 for k in DAMAGES},
+        "unlisted_damage": prog.checkpoints > 1,
+    }.get(kind, True)
 
 
 def hold_env(kind: str, prog: Progress, rng: random.Random, hold_file: Path) -> dict:
     """The fault-injection environment of a hold kind: which occurrence of its point freezes the run."""
     if kind not in HOLDS:
         return {}
-    nth = {"driver_state": prog.remaining, "checkpoint": prog.remaining, "prune": prog.prunes, "metrics_rewrite": 1,
-           "export": 1}[kind]
+    nth = {
+        "driver_state": prog.remaining,
+        "checkpoint": prog.remaining,
+        "prune": prog.prunes,
+        "metrics_rewrite": 1,
+        "export": 1,
+    }[kind]
     return {"MEGARL_FAULT_HOLD": f"{HOLDS[kind]}@{rng.randint(1, nth)}", "MEGARL_FAULT_HOLD_FILE": str(hold_file)}
 
 
-def trigger(kind: str, launch: Launch, rng: random.Random, timing: Timing, prog: Progress,
-            hold_file: Path) -> Optional[str]:
+def trigger(
+    kind: str, launch: Launch, rng: random.Random, timing: Timing, prog: Progress, hold_file: Path
+) -> Optional[str]:
     """Wait for the kind's moment (None: the run ended first) and say where the kill lands."""
     if kind == "startup":  # a random moment of the start-up, at the latest when the workers are ready
         delay = rng.uniform(0, timing.ready_s)

@@ -30,6 +30,7 @@ The table gives, per kill, where it landed, the step the rerun resumed from, the
 rerun's metrics and the uninterrupted run's, and the processes left over. No Ray (the runs are
 subprocesses).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,20 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.trainer.fault_points import (
-    DAMAGES, KINDS, TOTAL_STEPS, Launch, Progress, Timing, damage, hold_env, make_task, progress, reachable,
-    resumed_step, trigger, workers_ready,
+    DAMAGES,
+    KINDS,
+    TOTAL_STEPS,
+    Launch,
+    Progress,
+    Timing,
+    damage,
+    hold_env,
+    make_task,
+    progress,
+    reachable,
+    resumed_step,
+    trigger,
+    workers_ready,
 )
 from megarl.trainer.metrics import read_metrics
 
@@ -106,13 +119,25 @@ class SoakResult:
 
     def ok(self, tol: float = 1e-6) -> bool:
         deltas = [k.delta for k in self.kills if k.delta is not None] + [d for _, d, _ in self.finals]
-        return (not self.errors and all(not k.left for k in self.kills) and all(d <= tol for d in deltas)
-                and bool(self.finals) and all(same for _, _, same in self.finals))
+        return (
+            not self.errors
+            and all(not k.left for k in self.kills)
+            and all(d <= tol for d in deltas)
+            and bool(self.finals)
+            and all(same for _, _, same in self.finals)
+        )
 
 
 class Soak:
-    def __init__(self, root: Path, points: int, seed: int, log: Callable[[str], None] = print,
-                 task: Optional[dict] = None, kinds: tuple[str, ...] = KINDS):
+    def __init__(
+        self,
+        root: Path,
+        points: int,
+        seed: int,
+        log: Callable[[str], None] = print,
+        task: Optional[dict] = None,
+        kinds: tuple[str, ...] = KINDS,
+    ):
         unknown = sorted(set(kinds) - set(KINDS))
         if unknown or not kinds:
             raise ValueError(f"kill kinds {unknown or kinds!r}: pick from {', '.join(KINDS)}")
@@ -179,12 +204,16 @@ class Soak:
         if kind in DAMAGES:
             kill.damage = damage(kind, run_dir)
         self.result.kills.append(kill)
-        self.log(f"kill {len(self.result.kills)}: {kind}: {landed}" + (f"; {kill.damage}" if kill.damage else "")
-                 + (f"; LEFT OVER: {kill.left}" if kill.left else ""))
+        self.log(
+            f"kill {len(self.result.kills)}: {kind}: {landed}"
+            + (f"; {kill.damage}" if kill.damage else "")
+            + (f"; LEFT OVER: {kill.left}" if kill.left else "")
+        )
         return kill
 
-    def settle(self, previous: Optional[Kill], run: Launch, prog: Progress, final: bool = False,
-               left: Optional[list] = None) -> None:
+    def settle(
+        self, previous: Optional[Kill], run: Launch, prog: Progress, final: bool = False, left: Optional[list] = None
+    ) -> None:
         """Record what `run` (the rerun after `previous`) resumed from and how its metrics compare."""
         text = run.text()
         if final and (run.proc.returncode != 0 or left):
@@ -221,15 +250,21 @@ class Soak:
 
 
 def table(result: SoakResult) -> str:
-    lines = ["| # | run | kill point | where it landed | damage after the kill | rerun resumed from | max abs diff"
-             " | left over |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| # | run | kill point | where it landed | damage after the kill | rerun resumed from | max abs diff"
+        " | left over |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, k in enumerate(result.kills, 1):
         delta = "no rows" if k.delta is None else f"{k.delta:.3g}"
-        lines.append(f"| {i} | {k.chain} | {k.kind} | {k.landed} | {k.damage or '-'} | {k.resumed} | {delta}"
-                     f" | {len(k.left)} |")
+        lines.append(
+            f"| {i} | {k.chain} | {k.kind} | {k.landed} | {k.damage or '-'} | {k.resumed} | {delta} | {len(k.left)} |"
+        )
     for name, delta, same in result.finals:
-        lines.append(f"| final | {name} | whole metrics.jsonl | - | - | - | {delta:.3g} over every step"
-                     f"{'' if same else ' (STEPS DIFFER)'} | - |")
+        lines.append(
+            f"| final | {name} | whole metrics.jsonl | - | - | - | {delta:.3g} over every step"
+            f"{'' if same else ' (STEPS DIFFER)'} | - |"
+        )
     return "\n".join(lines)
 
 
@@ -238,7 +273,9 @@ def main(argv=None) -> int:
     parser.add_argument("--points", type=int, default=20, help="kills (random moments) in all")
     parser.add_argument("--seed", type=int, default=None, help="seed of the draw (default: random, printed)")
     parser.add_argument("--root", default=None, help="working directory (default: a new one under /tmp)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated kill kinds (default: all: {', '.join(KINDS)})")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated kill kinds (default: all: {', '.join(KINDS)})"
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     import tempfile

@@ -14,6 +14,7 @@ validates. Checkpoints every `trainer.checkpoint_every_steps` and at the end; `t
 continues from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training
 phases, which the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,8 +26,13 @@ from typing import Optional
 
 import torch
 
-from megarl.algorithms import AdvantageInputs, apply_kl_penalty, estimator_needs, get_advantage_estimator
-from megarl.algorithms import make_kl_controller
+from megarl.algorithms import (
+    AdvantageInputs,
+    apply_kl_penalty,
+    estimator_needs,
+    get_advantage_estimator,
+    make_kl_controller,
+)
 from megarl.algorithms.dapo import dynamic_sample, mask_truncated, overlong_penalty
 from megarl.algorithms.mismatch import truncated_is_weights
 from megarl.data.batch import Batch
@@ -34,7 +40,14 @@ from megarl.rollout.base import SamplingParams
 from megarl.trainer import batching, state
 from megarl.trainer.agents import AgentRollout, agent_metrics
 from megarl.trainer.metrics import (
-    PhaseTimer, RunLogger, ZeroVarianceWatch, batch_metrics, mean_metrics, mfu_meter, timing_metrics, validation_metrics,
+    PhaseTimer,
+    RunLogger,
+    ZeroVarianceWatch,
+    batch_metrics,
+    mean_metrics,
+    mfu_meter,
+    timing_metrics,
+    validation_metrics,
 )
 
 VAL_AGENT_METRICS = ("agent/tool_success", "agent/tool_calls", "agent/tool_errors", "agent/turns")
@@ -49,9 +62,14 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_reward)
         self.mfu = mfu_meter(cfg, derived)
         ro = cfg.rollout
-        self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                                       max_tokens=ro.max_response_tokens, n=ro.samples_per_prompt,
-                                       stop_token_ids=data.stop_token_ids)
+        self.sampling = SamplingParams(
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            max_tokens=ro.max_response_tokens,
+            n=ro.samples_per_prompt,
+            stop_token_ids=data.stop_token_ids,
+        )
         self.greedy = replace(self.sampling, n=1, temperature=0.0)
         self.validation_params = validation_sampling(cfg, self.sampling)
         self.needs_baseline = "baseline_rewards" in estimator_needs(cfg.algorithm.advantage.estimator)
@@ -108,15 +126,14 @@ class RLTrainer:
     def train_step(self, step: int) -> dict:
         """One RL step; returns its metrics."""
         timer = PhaseTimer()
-        batch, stats, scoring = self.rollout(step, timer)           # generate → score → shape
+        batch, stats, scoring = self.rollout(step, timer)  # generate → score → shape
         return self.learn(step, batch, stats, timer, scoring)
 
-    def learn(self, step: int, batch: Batch, stats: dict, timer: PhaseTimer,
-              scoring: Optional[Future] = None) -> dict:
+    def learn(self, step: int, batch: Batch, stats: dict, timer: PhaseTimer, scoring: Optional[Future] = None) -> dict:
         """The training phases of a step on its samples (also the async driver's): the step's metrics.
         `scoring`: the future of rewards still being scored (`overlaps_rewards`), joined after the log-probs."""
         cluster = self.cluster
-        with cluster.rollout.asleep(timer):                         # colocated engines free their memory
+        with cluster.rollout.asleep(timer):  # colocated engines free their memory
             with timer("old_log_probs"):
                 batch = batch.union(cluster.actor.compute_log_probs(batch))
             if cluster.ref:
@@ -125,7 +142,7 @@ class RLTrainer:
             if cluster.critic:
                 with timer("values"):
                     batch = batch.union(cluster.critic.compute_values(batch))
-            if scoring is not None:                                 # rewards scored meanwhile: wait for the rest
+            if scoring is not None:  # rewards scored meanwhile: wait for the rest
                 with timer("reward"):
                     batch = self.shape(self.score(batch, scoring.result()))
             with timer("advantages"):
@@ -136,7 +153,7 @@ class RLTrainer:
             if self.actor_trains(step):
                 with timer("actor_update"):
                     stats.update(self.update("actor", batch))
-        if self.actor_trains(step):                                 # critic warm-up: engines keep their weights
+        if self.actor_trains(step):  # critic warm-up: engines keep their weights
             with timer("weight_sync"):
                 stats["rollout/policy_version"] = float(self.push_weights())
         self.dump_rollouts(step, batch)
@@ -185,14 +202,28 @@ class RLTrainer:
         dapo = self.cfg.algorithm.dapo
         if not dapo.filter_groups:
             return one_round(), stats, None
-        batch, n = dynamic_sample(one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations,
-                                  score_key="scores")
+        batch, n = dynamic_sample(
+            one_round, self.cfg.trainer.prompts_per_step, dapo.max_generations, score_key="scores"
+        )
         # reward/* metrics describe the kept groups; these describe everything generated
-        return batch, {**stats, "rollout/generation_rounds": float(n),
-                       "rollout/score_before_filter": float(torch.cat(scores).mean())}, None
+        return (
+            batch,
+            {
+                **stats,
+                "rollout/generation_rounds": float(n),
+                "rollout/score_before_filter": float(torch.cat(scores).mean()),
+            },
+            None,
+        )
 
-    def generate(self, prompts: Batch, step: int, params: Optional[SamplingParams] = None, round_: int = 0,
-                 stats: Optional[dict] = None) -> Batch:
+    def generate(
+        self,
+        prompts: Batch,
+        step: int,
+        params: Optional[SamplingParams] = None,
+        round_: int = 0,
+        stats: Optional[dict] = None,
+    ) -> Batch:
         """A trajectory per sample of every prompt, from its row's agent loop over the rollout engines, as
         the training batch (group ids `step.round:row` stay unique across the rounds of a step); the agent
         metrics (turns, tool calls and errors, ...) go into `stats`."""
@@ -202,14 +233,19 @@ class RLTrainer:
         trajectories = self.agents.run(prompts, params, seed, session=f"{step}.{round_}")
         if stats is not None:
             stats.update(agent_metrics([t for group in trajectories for t in group], time.perf_counter() - start))
-        return batching.trajectory_batch(prompts, trajectories, self.data.pad_token_id, group_prefix=f"{step}.{round_}:")
+        return batching.trajectory_batch(
+            prompts, trajectories, self.data.pad_token_id, group_prefix=f"{step}.{round_}:"
+        )
 
     def rule_rewards(self, batch: Batch) -> list[dict]:
         """The reward fns' results (one dict per row: score, acc, ...) for the rows' `response_text`."""
-        extras = [{**(e if isinstance(e, dict) else {}), **(r or {})} for e, r in
-                  zip(_column(batch, "extra_info", len(batch)), _column(batch, "reward_extras", len(batch)))]
-        return self.data.rewards.score(list(batch["response_text"]), list(batch["ground_truth"]),
-                                       list(batch["data_source"]), extras)
+        extras = [
+            {**(e if isinstance(e, dict) else {}), **(r or {})}
+            for e, r in zip(_column(batch, "extra_info", len(batch)), _column(batch, "reward_extras", len(batch)))
+        ]
+        return self.data.rewards.score(
+            list(batch["response_text"]), list(batch["ground_truth"]), list(batch["data_source"]), extras
+        )
 
     def score(self, batch: Batch, results: Optional[list[dict]] = None) -> Batch:
         """Rule rewards (scored now unless `results` are given) + the reward model's score → scores, acc,
@@ -231,8 +267,9 @@ class RLTrainer:
         score placed on each row's last model token plus the per-turn rewards (`token_level_scores`)."""
         dapo, lengths = self.cfg.algorithm.dapo, batch["response_mask"].sum(-1)
         if dapo.overlong_buffer_len:
-            batch["scores"] = batch["scores"] + overlong_penalty(lengths, self.cfg.rollout.max_response_tokens,
-                                                                 dapo.overlong_buffer_len, dapo.overlong_penalty_factor)
+            batch["scores"] = batch["scores"] + overlong_penalty(
+                lengths, self.cfg.rollout.max_response_tokens, dapo.overlong_buffer_len, dapo.overlong_penalty_factor
+            )
         if dapo.overlong_filter:
             truncated = torch.from_numpy((batch["finish_reason"] == "length").astype(bool))
             batch["response_mask"] = mask_truncated(batch["response_mask"], truncated)
@@ -253,17 +290,29 @@ class RLTrainer:
         alg, mask = self.cfg.algorithm, batch["response_mask"]
         rewards = batch["token_level_scores"]
         if alg.kl_reward.coef > 0:
-            rewards, kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                           self.kl_ctrl.value, alg.kl_reward.estimator)
+            rewards, kl = apply_kl_penalty(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                mask,
+                self.kl_ctrl.value,
+                alg.kl_reward.estimator,
+            )
             self.kl_ctrl.update(float(kl["kl"]), len(batch))
             stats.update({"actor/reward_kl": float(kl["kl"]), "actor/kl_coef": float(kl["kl_coef"])})
-        inputs = AdvantageInputs(rewards, mask, values=_optional(batch, "values"), group_ids=list(batch["uid"]),
-                                 baseline_rewards=_optional(batch, "baseline_rewards"))
+        inputs = AdvantageInputs(
+            rewards,
+            mask,
+            values=_optional(batch, "values"),
+            group_ids=list(batch["uid"]),
+            baseline_rewards=_optional(batch, "baseline_rewards"),
+        )
         batch["advantages"], batch["returns"] = get_advantage_estimator(alg.advantage.estimator)(inputs, alg.advantage)
         batch["token_level_rewards"] = rewards
         if alg.mismatch.level is not None:
-            batch["is_weights"], is_stats = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
-                                                                 mask, alg.mismatch.cap, alg.mismatch.level)
+            batch["is_weights"], is_stats = truncated_is_weights(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, alg.mismatch.cap, alg.mismatch.level
+            )
             stats.update({f"rollout/{k}": float(v) for k, v in is_stats.items()})
         return batch
 
@@ -282,8 +331,10 @@ class RLTrainer:
             return {}
         stats: dict = {}
         batch = self.score(self.generate(self.data.validation, step=-1, params=self.validation_params, stats=stats))
-        return {**validation_metrics(batch, self.validation_params.n),
-                **{f"val/{key}": stats[key] for key in VAL_AGENT_METRICS if key in stats}}
+        return {
+            **validation_metrics(batch, self.validation_params.n),
+            **{f"val/{key}": stats[key] for key in VAL_AGENT_METRICS if key in stats},
+        }
 
     def dump_rollouts(self, step: int, batch: Batch) -> None:
         """Every `trainer.dump_rollouts_every_steps`: the step's samples to rollouts/step_N.jsonl."""
@@ -343,8 +394,11 @@ def validation_sampling(cfg, sampling: SamplingParams) -> SamplingParams:
     val = cfg.validation
     if val.greedy:
         return replace(sampling, n=val.samples_per_prompt, temperature=0.0, top_p=1.0, top_k=0)
-    return replace(sampling, n=val.samples_per_prompt,
-                   **{k: getattr(val, k) for k in ("temperature", "top_p", "top_k") if getattr(val, k) is not None})
+    return replace(
+        sampling,
+        n=val.samples_per_prompt,
+        **{k: getattr(val, k) for k in ("temperature", "top_p", "top_k") if getattr(val, k) is not None},
+    )
 
 
 def _every(step: int, every: int, total: int) -> bool:
@@ -365,10 +419,18 @@ def rollout_records(batch: Batch) -> list[dict]:
     finish reason, policy version (and the greedy baseline's score under ReMax)."""
     adv = batch["advantages"].sum(-1) / batch["response_mask"].sum(-1).clamp(min=1)
     baseline = _optional(batch, "baseline_rewards")
-    return [{"uid": batch["uid"][i], "prompt": batch["raw_prompt"][i] if "raw_prompt" in batch else None,
-             "response": batch["response_text"][i], "ground_truth": batch["ground_truth"][i],
-             "score": float(batch["scores"][i]), "advantage": float(adv[i]),
-             "finish_reason": batch["finish_reason"][i], "policy_version": int(batch["policy_version"][i]),
-             **({"baseline_score": float(baseline[i])} if baseline is not None else {}),
-             **({"turns": batch["agent_turns"][i]} if "agent_turns" in batch and batch["agent_turns"][i] else {})}
-            for i in range(len(batch))]
+    return [
+        {
+            "uid": batch["uid"][i],
+            "prompt": batch["raw_prompt"][i] if "raw_prompt" in batch else None,
+            "response": batch["response_text"][i],
+            "ground_truth": batch["ground_truth"][i],
+            "score": float(batch["scores"][i]),
+            "advantage": float(adv[i]),
+            "finish_reason": batch["finish_reason"][i],
+            "policy_version": int(batch["policy_version"][i]),
+            **({"baseline_score": float(baseline[i])} if baseline is not None else {}),
+            **({"turns": batch["agent_turns"][i]} if "agent_turns" in batch and batch["agent_turns"][i] else {}),
+        }
+        for i in range(len(batch))
+    ]

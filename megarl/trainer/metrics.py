@@ -11,6 +11,7 @@ TensorBoard (`torch.utils.tensorboard.SummaryWriter`), optional wandb, rollout s
 
 No Ray, megatron or vLLM.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,16 @@ from megarl.data.batch import Batch
 from megarl.utils.faults import hold
 
 GENERATION_PHASES = ("generate",)
-WORKER_PHASES = ("old_log_probs", "ref_log_probs", "values", "critic_update", "actor_update", "weight_sync",
-                 "engine_sleep", "engine_wake")
+WORKER_PHASES = (
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "critic_update",
+    "actor_update",
+    "weight_sync",
+    "engine_sleep",
+    "engine_wake",
+)
 
 
 class PhaseTimer:
@@ -60,16 +69,22 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _describe(prefix: str, values: torch.Tensor) -> dict:
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def batch_metrics(batch: Batch) -> dict:
     """What the step's data looked like: rewards, advantages, lengths, entropy, rollout/train gap."""
     mask = batch["response_mask"]
     lengths = mask.sum(-1).float()
-    out = {**_describe("reward/score", batch["scores"]), **_describe("response_length", lengths),
-           "response_length/clip_ratio": float((batch["finish_reason"] == "length").mean())}
+    out = {
+        **_describe("reward/score", batch["scores"]),
+        **_describe("response_length", lengths),
+        "response_length/clip_ratio": float((batch["finish_reason"] == "length").mean()),
+    }
     if "acc" in batch:
         out["reward/acc"] = float(batch["acc"].float().mean())
     if "baseline_rewards" in batch:  # ReMax: the greedy responses' scores
@@ -112,11 +127,18 @@ def reward_metrics(batch: Batch, prefix: str) -> dict:
     reward/format), score, acc and every extra key per data source (`{prefix}/{data_source}/{key}`), and
     the share of rows whose reward fn failed (raised, timed out: `{prefix}/error_rate`)."""
     infos = list(batch["reward_info"]) if "reward_info" in batch else [{}] * len(batch)
-    rows = [{"score": float(s), **({"acc": float(batch["acc"][i])} if "acc" in batch else {}),
-             **{k: float(v) for k, v in (info or {}).items() if k not in REWARD_SKIP and _numeric(v)}}
-            for i, (s, info) in enumerate(zip(batch["scores"].tolist(), infos))]
+    rows = [
+        {
+            "score": float(s),
+            **({"acc": float(batch["acc"][i])} if "acc" in batch else {}),
+            **{k: float(v) for k, v in (info or {}).items() if k not in REWARD_SKIP and _numeric(v)},
+        }
+        for i, (s, info) in enumerate(zip(batch["scores"].tolist(), infos))
+    ]
     sources = [str(ds) for ds in batch["data_source"]]
-    out = {f"{prefix}/error_rate": sum((info or {}).get("reward_error") is not None for info in infos) / max(1, len(infos))}
+    out = {
+        f"{prefix}/error_rate": sum((info or {}).get("reward_error") is not None for info in infos) / max(1, len(infos))
+    }
     for key in sorted({k for r in rows for k in r}):
         if key not in REWARD_SKIP:
             out[f"{prefix}/{key}"] = _mean_of(rows, key)
@@ -142,9 +164,12 @@ def validation_metrics(batch: Batch, n: int) -> dict:
     """val/score, val/acc (means over every response: mean@n), val/response_length, the reward fns' keys
     overall and per data source (`val/<data_source>/acc`, ...); with n > 1 responses per prompt also
     val/acc/mean@n and val/acc/pass@n, overall and per data source."""
-    out = {"val/score": float(batch["scores"].mean()), "val/acc": float(batch["acc"].mean()),
-           "val/response_length": float(batch["response_mask"].sum(-1).float().mean()),
-           **reward_metrics(batch, "val")}
+    out = {
+        "val/score": float(batch["scores"].mean()),
+        "val/acc": float(batch["acc"].mean()),
+        "val/response_length": float(batch["response_mask"].sum(-1).float().mean()),
+        **reward_metrics(batch, "val"),
+    }
     if n > 1:
         sources = [str(ds) for ds in batch["data_source"]]
         out[f"val/acc/mean@{n}"] = out["val/acc"]
@@ -173,13 +198,15 @@ class ZeroVarianceWatch:
             return None
         self.warned = True
         score = metrics.get("reward/score/mean", float("nan"))
-        return (f"[megarl] WARNING: in each of the last {self.run} steps more than half of the prompt groups had the"
-                f" same reward for every sample (rollout/zero_variance_groups={share:.2f}, mean score {score:.3g}):"
-                " group estimators (grpo, rloo, ...) give those samples zero advantage, so most of the batch"
-                " teaches nothing. Pick prompts the policy sometimes solves (neither always right nor always"
-                " wrong), raise rollout.samples_per_prompt or rollout.temperature, or keep only groups with"
-                " signal (algorithm.dapo.filter_groups=true). This warning is shown once"
-                " (trainer.zero_variance_warn_steps sets the run length; 0 turns it off).")
+        return (
+            f"[megarl] WARNING: in each of the last {self.run} steps more than half of the prompt groups had the"
+            f" same reward for every sample (rollout/zero_variance_groups={share:.2f}, mean score {score:.3g}):"
+            " group estimators (grpo, rloo, ...) give those samples zero advantage, so most of the batch"
+            " teaches nothing. Pick prompts the policy sometimes solves (neither always right nor always"
+            " wrong), raise rollout.samples_per_prompt or rollout.temperature, or keep only groups with"
+            " signal (algorithm.dapo.filter_groups=true). This warning is shown once"
+            " (trainer.zero_variance_warn_steps sets the run length; 0 turns it off)."
+        )
 
 
 class MFUMeter:
@@ -265,8 +292,9 @@ class RunLogger:
     def _wandb(self, cfg):
         import wandb
 
-        return wandb.init(project=cfg.trainer.project, name=cfg.trainer.experiment, dir=str(self.run_dir),
-                          resume="allow")
+        return wandb.init(
+            project=cfg.trainer.project, name=cfg.trainer.experiment, dir=str(self.run_dir), resume="allow"
+        )
 
     def _progress(self, tr, start_step: int):
         if not tr.progress_bar:
@@ -327,8 +355,19 @@ class RunLogger:
             self.wandb.finish()
 
 
-CONSOLE_KEYS = ("reward/score/mean", "reward/acc", "val/score", "val/acc", "actor/pg_loss", "actor/grad_norm",
-                "critic/loss", "actor/entropy", "response_length/mean", "rollout/mismatch_abs_mean", "time/step")
+CONSOLE_KEYS = (
+    "reward/score/mean",
+    "reward/acc",
+    "val/score",
+    "val/acc",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/loss",
+    "actor/entropy",
+    "response_length/mean",
+    "rollout/mismatch_abs_mean",
+    "time/step",
+)
 
 
 def console_line(step: int, metrics: dict) -> str:
@@ -337,8 +376,11 @@ def console_line(step: int, metrics: dict) -> str:
 
 
 def _postfix(metrics: dict) -> dict:
-    return {k.split("/")[-2] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}"
-            for k in ("reward/score/mean", "time/step") if k in metrics}
+    return {
+        k.split("/")[-2] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}"
+        for k in ("reward/score/mean", "time/step")
+        if k in metrics
+    }
 
 
 def _truncate_after(path: Path, step: int) -> None:
@@ -371,8 +413,12 @@ def _parsed_lines(path: Path, warn: bool = False) -> list[tuple[str, dict]]:
         except (ValueError, KeyError, TypeError) as err:
             if warn:
                 where = "its last line" if number == len(lines) else f"line {number}"
-                print(f"[megarl] warning: {path} {where} does not parse ({type(err).__name__}: {err}; a run killed"
-                      " while writing it); dropped", file=sys.stderr, flush=True)
+                print(
+                    f"[megarl] warning: {path} {where} does not parse ({type(err).__name__}: {err}; a run killed"
+                    " while writing it); dropped",
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         rows.append((line, row))
     return rows

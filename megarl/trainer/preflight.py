@@ -15,6 +15,7 @@ and the fix) when
 A damaged latest checkpoint under resume=auto is not an error here: the loop reports it and resumes
 from the previous intact one. Imports torch, no megatron, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.config.loader import ConfigError
-from megarl.trainer.state import ResumePlan, ResumeError, plan_resume
+from megarl.trainer.state import ResumeError, ResumePlan, plan_resume
 
 _MAX_HEADER_BYTES = 100 << 20
 
@@ -56,8 +57,9 @@ def check_run_dir(run_dir: str) -> None:
             pass
     except OSError as err:
         what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
-        raise ConfigError(f"trainer.run_dir={run_dir!r} {what}: {err.strerror or err}; pick a writable"
-                          " trainer.run_dir") from None
+        raise ConfigError(
+            f"trainer.run_dir={run_dir!r} {what}: {err.strerror or err}; pick a writable trainer.run_dir"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- weights
@@ -94,9 +96,11 @@ def safetensors_files(where: str, path: str) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-        raise ConfigError(f"{where}={path!r} has no safetensors weights (found {found}); point it at an HF"
-                          " checkpoint directory with model.safetensors (convert .bin weights with"
-                          " save_pretrained(safe_serialization=True))")
+        raise ConfigError(
+            f"{where}={path!r} has no safetensors weights (found {found}); point it at an HF"
+            " checkpoint directory with model.safetensors (convert .bin weights with"
+            " save_pretrained(safe_serialization=True))"
+        )
     return files
 
 
@@ -119,8 +123,7 @@ def safetensors_problem(file: Path) -> Optional[str]:
             return f"is not a safetensors file or is truncated (header length {length}, file {size} bytes)"
         try:
             header = json.loads(f.read(length))
-            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                      default=0)
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
         except (ValueError, KeyError, TypeError, IndexError) as err:
             return f"has an unreadable header ({type(err).__name__}: {err})"
     if 8 + length + end > size:
@@ -139,9 +142,11 @@ def check_accelerator(res) -> None:
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < res.gpus_per_node:
-        raise ConfigError(f"resources.accelerator=gpu with resources.gpus_per_node={res.gpus_per_node}, but this"
-                          f" machine has {found} usable CUDA GPU(s); set resources.accelerator=cpu, lower"
-                          " resources.gpus_per_node, or join a GPU cluster with resources.ray_address")
+        raise ConfigError(
+            f"resources.accelerator=gpu with resources.gpus_per_node={res.gpus_per_node}, but this"
+            f" machine has {found} usable CUDA GPU(s); set resources.accelerator=cpu, lower"
+            " resources.gpus_per_node, or join a GPU cluster with resources.ray_address"
+        )
 
 
 def check_resume(cfg) -> ResumePlan:
@@ -151,9 +156,11 @@ def check_resume(cfg) -> ResumePlan:
     except ResumeError as err:
         raise ConfigError(str(err)) from None
     if plan.step > tr.total_steps:
-        raise ConfigError(f"trainer.total_steps={tr.total_steps} but the checkpoint to resume from, {plan.directory},"
-                          f" is at step {plan.step}; raise trainer.total_steps to train further, or start a new run"
-                          " (another trainer.run_dir, or trainer.resume=never)")
+        raise ConfigError(
+            f"trainer.total_steps={tr.total_steps} but the checkpoint to resume from, {plan.directory},"
+            f" is at step {plan.step}; raise trainer.total_steps to train further, or start a new run"
+            " (another trainer.run_dir, or trainer.resume=never)"
+        )
     return plan
 
 
@@ -171,11 +178,16 @@ def check_data_sources(cfg, data) -> None:
             try:
                 get_reward_fn(mapping.get(source, source))
             except (ValueError, TypeError):
-                default = (f" (rows without a {cfg.data.data_source_key!r} column get data.default_data_source)"
-                           if source == cfg.data.default_data_source else "")
-                raise ConfigError(f"{where}: data_source {source!r}{default} has no reward function; set"
-                                  f" reward.reward_fn, or map it with reward.data_source_rewards={{{source}: <reward>}}"
-                                  f" (rewards: {', '.join(list_rewards())})") from None
+                default = (
+                    f" (rows without a {cfg.data.data_source_key!r} column get data.default_data_source)"
+                    if source == cfg.data.default_data_source
+                    else ""
+                )
+                raise ConfigError(
+                    f"{where}: data_source {source!r}{default} has no reward function; set"
+                    f" reward.reward_fn, or map it with reward.data_source_rewards={{{source}: <reward>}}"
+                    f" (rewards: {', '.join(list_rewards())})"
+                ) from None
 
 
 def _data_sources(cfg, data) -> dict[str, set]:

@@ -10,6 +10,7 @@ Stopping: the first Ctrl-C / SIGTERM (`megarl.utils.interrupts`) says which chec
 continues from and stops the workers and Ray; worker processes die with their raylet, children
 included (`megarl.utils.lifetime`, installed as Ray's worker setup hook).
 """
+
 from __future__ import annotations
 
 import os
@@ -98,8 +99,11 @@ def train(cfg, derived) -> list[dict]:
     # a loaded machine can take over Ray's default 30 s to register the local raylet
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
     try:
-        init_ray(cfg, log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1",  # worker logs: Ray session dir
-                 runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK})  # workers die with their raylet
+        init_ray(
+            cfg,
+            log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1",  # worker logs: Ray session dir
+            runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK},
+        )  # workers die with their raylet
         cluster = Cluster(cfg, derived)
         print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
         nodes = _alive_nodes()
@@ -126,8 +130,11 @@ def _already_complete(cfg, plan) -> bool:
     exported = not tr.export_hf_at_end or (Path(tr.run_dir) / "hf" / MARKER).is_file()
     if tr.val_only or plan.step < tr.total_steps or not exported:
         return False
-    print(f"[megarl] nothing to do: the run is complete at step {plan.step} = trainer.total_steps ({plan.directory});"
-          " raise trainer.total_steps to train further", flush=True)
+    print(
+        f"[megarl] nothing to do: the run is complete at step {plan.step} = trainer.total_steps ({plan.directory});"
+        " raise trainer.total_steps to train further",
+        flush=True,
+    )
     return True
 
 
@@ -135,8 +142,11 @@ def _alive_nodes() -> dict[str, tuple[str, int]]:
     """{node id: (address, raylet port)} of the Ray nodes alive now."""
     import ray
 
-    return {n["NodeID"]: (n.get("NodeManagerAddress", "?"), int(n.get("NodeManagerPort", 0)))
-            for n in ray.nodes() if n.get("Alive")}
+    return {
+        n["NodeID"]: (n.get("NodeManagerAddress", "?"), int(n.get("NodeManagerPort", 0)))
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
 
 
 def _lost_nodes(before: dict[str, tuple[str, int]], err: BaseException) -> list[tuple[str, str]]:
@@ -148,8 +158,9 @@ def _lost_nodes(before: dict[str, tuple[str, int]], err: BaseException) -> list[
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     except Exception:  # noqa: BLE001 -- the head itself is gone: every node is lost to this run
         alive = set()
-    return [(node, address) for node, (address, port) in before.items()
-            if node not in alive or not _accepts(address, port)]
+    return [
+        (node, address) for node, (address, port) in before.items() if node not in alive or not _accepts(address, port)
+    ]
 
 
 def _accepts(address: str, port: int, timeout_s: float = 3.0) -> bool:
@@ -168,11 +179,17 @@ def _node_lost_message(lost: list[tuple[str, str]], err: BaseException, resume: 
     nodes = ", ".join(f"{address} (node {node[:12]})" for node, address in lost)
     cause = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     latest = plan_resume("auto", run_dir).directory if resume == "auto" else None
-    rerun = (f"continues from the latest complete checkpoint, {latest}" if latest else
-             "starts from the beginning (no checkpoint was completed)" if resume == "auto" else
-             f"loads trainer.resume={resume} again")
-    return (f"lost Ray node {nodes} during the run ({type(err).__name__}: {cause}). Once the cluster has its nodes"
-            f" back, rerunning the same command {rerun}")
+    rerun = (
+        f"continues from the latest complete checkpoint, {latest}"
+        if latest
+        else "starts from the beginning (no checkpoint was completed)"
+        if resume == "auto"
+        else f"loads trainer.resume={resume} again"
+    )
+    return (
+        f"lost Ray node {nodes} during the run ({type(err).__name__}: {cause}). Once the cluster has its nodes"
+        f" back, rerunning the same command {rerun}"
+    )
 
 
 def _stop(cluster, data, ray_too: bool) -> None:
@@ -187,8 +204,11 @@ def _stop(cluster, data, ray_too: bool) -> None:
 
         if ray.is_initialized():
             ray.shutdown()
-        print(f"[megarl] stopped: workers and Ray gone in {time.perf_counter() - start:.1f} s.", file=sys.stderr,
-              flush=True)
+        print(
+            f"[megarl] stopped: workers and Ray gone in {time.perf_counter() - start:.1f} s.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _report_interrupt(resume: str, run_dir: str) -> None:
@@ -204,5 +224,8 @@ def _report_interrupt(resume: str, run_dir: str) -> None:
         rerun = f"continues from the latest complete checkpoint, {latest}"
     else:
         rerun = "starts from the beginning (no checkpoint was completed)"
-    print(f"\n[megarl] interrupted: stopping the workers. Rerunning the same command {rerun}.",
-          file=sys.stderr, flush=True)
+    print(
+        f"\n[megarl] interrupted: stopping the workers. Rerunning the same command {rerun}.",
+        file=sys.stderr,
+        flush=True,
+    )

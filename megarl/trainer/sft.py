@@ -9,6 +9,7 @@ For a tiny model on CPU a warm-up takes seconds to a minute and teaches the answ
 task, so RL starts from a policy that is often right instead of from random characters. Large models
 warm up with the Megatron engine under torchrun. Imports torch and transformers only.
 """
+
 from __future__ import annotations
 
 import random
@@ -52,14 +53,23 @@ def _batch(examples, pad_id: int):
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     mask = torch.zeros(len(examples), width, dtype=torch.long)
     for i, (seq, prompt_len) in enumerate(examples):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, :len(seq)] = 1
-        labels[i, prompt_len:len(seq)] = torch.tensor(seq[prompt_len:])
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
     return ids, mask, labels
 
 
-def sft_warmup(hf_path: str, examples: list[tuple[list[int], int]], *, steps: int = 100, batch_size: int = 32,
-               lr: float = 3e-3, seed: int = 0, out_path: str | None = None, lr_decay: bool = False) -> list[float]:
+def sft_warmup(
+    hf_path: str,
+    examples: list[tuple[list[int], int]],
+    *,
+    steps: int = 100,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    out_path: str | None = None,
+    lr_decay: bool = False,
+) -> list[float]:
     """Train `steps` AdamW steps of answer-token NLL (lr constant, or decaying linearly to 0 with
     `lr_decay`); save to `out_path` (default: in place). The losses."""
     from transformers import AutoModelForCausalLM
@@ -86,8 +96,9 @@ def sft_warmup(hf_path: str, examples: list[tuple[list[int], int]], *, steps: in
 
 
 @torch.no_grad()
-def greedy_answers(hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4,
-                   batch_size: int = 256) -> list[list[int]]:
+def greedy_answers(
+    hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4, batch_size: int = 256
+) -> list[list[int]]:
     """The greedy continuation of each example's prompt (left-padded batches), up to and including eos."""
     from transformers import AutoModelForCausalLM
 
@@ -95,13 +106,19 @@ def greedy_answers(hf_path: str, examples: list[tuple[list[int], int]], max_new_
     pad, eos = model.config.pad_token_id or 0, model.config.eos_token_id
     answers = []
     for start in range(0, len(examples), batch_size):
-        prompts = [seq[:prompt_len] for seq, prompt_len in examples[start:start + batch_size]]
+        prompts = [seq[:prompt_len] for seq, prompt_len in examples[start : start + batch_size]]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, eos_token_id=eos)
+        out = model.generate(
+            ids,
+            attention_mask=(ids != pad).long(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
         for row in out[:, width:].tolist():
-            answers.append(row[:row.index(eos) + 1] if eos in row else row)
+            answers.append(row[: row.index(eos) + 1] if eos in row else row)
     return answers
 
 

@@ -14,6 +14,7 @@ trainer.resume=auto the previous intact one is used (the damaged one is set asid
 explicit trainer.resume=PATH that fails names the file and the checkpoint to use instead.
 Pure Python + torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,8 +86,12 @@ def save_driver_state(directory: str | Path, state: DriverState) -> Path:
     state's presence marks the checkpoint complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / MANIFEST, lambda tmp: tmp.write_text(json.dumps(
-        {"step": state.step, "files": file_table(directory)}, indent=1, sort_keys=True)))
+    _write_atomic(
+        directory / MANIFEST,
+        lambda tmp: tmp.write_text(
+            json.dumps({"step": state.step, "files": file_table(directory)}, indent=1, sort_keys=True)
+        ),
+    )
     hold("checkpoint.driver_state")
     target = directory / DRIVER_STATE
     _write_atomic(target, lambda tmp: torch.save(state.__dict__, tmp))
@@ -156,8 +161,11 @@ def _distcp_problem(directory: Path) -> Optional[str]:
             path = metadata.parent / name
             size = path.stat().st_size if path.is_file() else None
             if size is None or size < end:
-                return (f"{path} is missing" if size is None else
-                        f"{path} has {size} bytes but its items end at byte {end} (truncated)")
+                return (
+                    f"{path} is missing"
+                    if size is None
+                    else f"{path} has {size} bytes but its items end at byte {end} (truncated)"
+                )
     return None
 
 
@@ -247,8 +255,10 @@ def _plan_explicit(path: Path) -> ResumePlan:
     if problem is None:
         return ResumePlan(path, load_driver_state(path).step, older)
     if (path / "checkpoints").is_dir():
-        hint = (f"{path} is a run directory: set trainer.run_dir={path} trainer.resume=auto to continue from its"
-                " latest intact checkpoint")
+        hint = (
+            f"{path} is a run directory: set trainer.run_dir={path} trainer.resume=auto to continue from its"
+            " latest intact checkpoint"
+        )
     else:
         hint = _fallback_hint(older)
     raise ResumeError(f"trainer.resume={str(path)!r} cannot be resumed from: {problem}. {hint}")
@@ -261,8 +271,10 @@ def _step_of(path: Path) -> int:
 
 def _fallback_hint(older: list[Path]) -> str:
     if older:
-        return (f"The previous intact checkpoint is {older[0]}: set trainer.resume={older[0]} (or trainer.resume=auto,"
-                " which passes over damaged checkpoints)")
+        return (
+            f"The previous intact checkpoint is {older[0]}: set trainer.resume={older[0]} (or trainer.resume=auto,"
+            " which passes over damaged checkpoints)"
+        )
     return "There is no earlier intact checkpoint: trainer.resume=never starts over"
 
 
@@ -273,8 +285,10 @@ def resume_from(resume: str, run_dir: str | Path, load: Callable[[Path], int]) -
     plan = plan_resume(resume, run_dir)
     for path, problem in plan.damaged:
         aside = set_aside(path)
-        _warn(f"checkpoint {path} is damaged: {problem}. Set aside as {aside.name}; continuing from "
-              + (f"the previous intact checkpoint, {plan.directory}" if plan.directory else "the beginning"))
+        _warn(
+            f"checkpoint {path} is damaged: {problem}. Set aside as {aside.name}; continuing from "
+            + (f"the previous intact checkpoint, {plan.directory}" if plan.directory else "the beginning")
+        )
     candidates = [plan.directory, *plan.fallbacks] if plan.directory is not None else []
     failures = []
     for i, directory in enumerate(candidates):
@@ -283,14 +297,21 @@ def resume_from(resume: str, run_dir: str | Path, load: Callable[[Path], int]) -
         except Exception as err:  # noqa: BLE001 -- reported with the file, then the next candidate
             failures.append(f"{directory}: {_short(err)}")
             if resume != "auto":
-                raise ResumeError(f"trainer.resume={resume!r}: loading {directory} failed ({_short(err)})."
-                                  f" {_fallback_hint(plan.fallbacks)}") from err
+                raise ResumeError(
+                    f"trainer.resume={resume!r}: loading {directory} failed ({_short(err)})."
+                    f" {_fallback_hint(plan.fallbacks)}"
+                ) from err
             if i + 1 < len(candidates):
-                _warn(f"loading checkpoint {directory} failed ({_short(err)}); trying the previous intact"
-                      f" checkpoint, {candidates[i + 1]}")
+                _warn(
+                    f"loading checkpoint {directory} failed ({_short(err)}); trying the previous intact"
+                    f" checkpoint, {candidates[i + 1]}"
+                )
     if failures:
-        raise ResumeError("no checkpoint of the run loads: " + "; ".join(failures) +
-                          ". Fix the config to match the checkpoints, or set trainer.resume=never to start over")
+        raise ResumeError(
+            "no checkpoint of the run loads: "
+            + "; ".join(failures)
+            + ". Fix the config to match the checkpoints, or set trainer.resume=never to start over"
+        )
     return 0
 
 
@@ -321,8 +342,12 @@ def remove_leftovers(run_dir: str | Path) -> list[Path]:
     and HF exports that were never published, checkpoints half-way through pruning, temp files of
     metrics.jsonl. Only for the one driver of the run, before it starts writing; the removed paths."""
     run_dir = Path(run_dir)
-    found = [*run_dir.glob(".hf.incomplete-*"), *run_dir.glob(".metrics.jsonl.tmp-*"),
-             *checkpoints_dir(run_dir).glob(".step_*.deleting"), *checkpoints_dir(run_dir).glob("step_*/.*.incomplete-*")]
+    found = [
+        *run_dir.glob(".hf.incomplete-*"),
+        *run_dir.glob(".metrics.jsonl.tmp-*"),
+        *checkpoints_dir(run_dir).glob(".step_*.deleting"),
+        *checkpoints_dir(run_dir).glob("step_*/.*.incomplete-*"),
+    ]
     for path in found:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -10,6 +10,7 @@ digit changed: a teacher who cannot multiply in its head). The share gives RL ro
 calls the tool only sometimes, and the reward says which habit pays. Imports the agent package's
 chat renderer; the examples feed `megarl.trainer.sft.sft_warmup`.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from megarl.agent.chat import ChatRenderer
 
 def call_text(expression: str, tool: str = "calculator") -> str:
     """The Hermes tool call the teacher writes (what the tiny chat template renders for a tool call)."""
-    return f'<tool_call>\n{json.dumps({"name": tool, "arguments": {"expression": expression}})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': {'expression': expression}})}\n</tool_call>"
 
 
 def guessed_answer(answer: str, rng: random.Random) -> str:
@@ -33,14 +34,16 @@ def guessed_answer(answer: str, rng: random.Random) -> str:
     return "".join(digits)
 
 
-def tool_call_examples(rows: Sequence[dict], tokenizer, schemas: Sequence[dict], *, call_share: float = 0.5,
-                       seed: int = 0) -> list[tuple[list[int], int]]:
+def tool_call_examples(
+    rows: Sequence[dict], tokenizer, schemas: Sequence[dict], *, call_share: float = 0.5, seed: int = 0
+) -> list[tuple[list[int], int]]:
     """SFT examples from rows with `prompt` (a string or messages), `ground_truth` and
     `extra_info.expression`: two examples per calling row (the call; the answer after the tool's
     result), one per guessing row."""
     if not 0.0 <= call_share <= 1.0:
-        raise ValueError(f"call_share must be in [0, 1] (the share of demonstrations that call the tool), "
-                         f"got {call_share}")
+        raise ValueError(
+            f"call_share must be in [0, 1] (the share of demonstrations that call the tool), got {call_share}"
+        )
     renderer = ChatRenderer(tokenizer, schemas)
     eos = tokenizer.eos_token_id
     rng = random.Random(seed)

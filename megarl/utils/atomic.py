@@ -6,6 +6,7 @@ wrote its completion marker. A crash leaves the old directory (if any) intact an
 `.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint. `shared_staging_dir` and
 `publish_collective` are the same protocol for a directory written by every rank of a world.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -17,6 +17,7 @@ first call (the server preloads torch and megatron.core once); use start_method=
 Owns: process launch, rendezvous, result/exception transport. Must not import megatron at module
 level (apply_cpu_patches imports it inside the ranks).
 """
+
 from __future__ import annotations
 
 import io
@@ -71,8 +72,7 @@ def init_process_group_from_env() -> None:
 
 # Imported once by the forkserver so that ranks start without paying for them (megatron.core
 # only where installed; the forkserver skips modules it cannot import).
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron_patches", "megatron.core",
-                       "megatron.core.models.gpt"]
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron_patches", "megatron.core", "megatron.core.models.gpt"]
 
 
 def _dumps(value: Any) -> bytes:
@@ -98,8 +98,13 @@ def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, arg
     try:
         os.environ.clear()
         os.environ.update(env)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+        )
         if num_threads:
             torch.set_num_threads(num_threads)
         if apply_patches:
@@ -142,9 +147,12 @@ def run_distributed(
     port = free_port()
     env = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
-                    args=(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs,
-                          results))
+        ctx.Process(
+            target=_rank_entry,
+            name=f"rank{rank}",
+            daemon=False,
+            args=(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs, results),
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -176,8 +184,9 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
             for rank, proc in enumerate(procs):
                 if proc.exitcode not in (None, 0) and rank not in values:
                     values[rank] = None
-                    failures.append(RankError(
-                        rank, "ProcessDied", f"exit code {proc.exitcode} before reporting a result", ""))
+                    failures.append(
+                        RankError(rank, "ProcessDied", f"exit code {proc.exitcode} before reporting a result", "")
+                    )
                     failure = failure or (failures[-1], time.monotonic())
             continue
         if ok:
@@ -191,19 +200,16 @@ def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
         raise _root_cause(failures)
     if len(values) < world_size:
         missing = sorted(set(range(world_size)) - set(values))
-        raise TimeoutError(f"run_distributed: ranks {missing} did not finish within {timeout:.0f} s "
-                           f"(killed)")
+        raise TimeoutError(f"run_distributed: ranks {missing} did not finish within {timeout:.0f} s (killed)")
     return [values[r] for r in range(world_size)]
 
 
-_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                      "gloo/transport")
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport")
 
 
 def _root_cause(failures: List[RankError]) -> RankError:
     """The failure to report: the first one that is not just a peer noticing another rank died."""
-    primary = next((f for f in failures
-                    if not any(m in f.remote_message for m in _PEER_LOSS_MARKERS)), failures[0])
+    primary = next((f for f in failures if not any(m in f.remote_message for m in _PEER_LOSS_MARKERS)), failures[0])
     others = sorted(f.rank for f in failures if f is not primary)
     if others:
         primary.args = (primary.args[0] + f"\n(ranks {others} failed too)",)

@@ -13,6 +13,7 @@ reach them through Ray) `publish.<dir>` (`megarl.utils.atomic.publish_collective
 its part of `<dir>` — `hf` for the final export, `actor`/`critic` for engine checkpoints — and the
 directory is not published yet). Standard library only.
 """
+
 from __future__ import annotations
 
 import os

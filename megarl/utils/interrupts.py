@@ -12,6 +12,7 @@ do nothing), and handles SIGINT and SIGTERM alike:
 handler: KeyboardInterrupt). Both restore the previous handlers on exit (callers in-process, e.g.
 tests, keep theirs). Imports only the standard library.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,9 @@ class GracefulStop(_Handlers):
         if self.first is not None:
             self._exit_now(signum, f"second {signal.Signals(signum).name}: exiting at once")
         self.first = signum
-        self._timer = threading.Timer(self.grace_s, self._exit_now,
-                                      (signum, f"the graceful stop took over {self.grace_s:g} s: exiting at once"))
+        self._timer = threading.Timer(
+            self.grace_s, self._exit_now, (signum, f"the graceful stop took over {self.grace_s:g} s: exiting at once")
+        )
         self._timer.daemon = True
         self._timer.start()
         raise Interrupted(signum)

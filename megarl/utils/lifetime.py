@@ -11,6 +11,7 @@ Installed in every worker of a run as Ray's `worker_process_setup_hook` (`RAY_SE
 `megarl.trainer.run`). `NodeLostError` is what the driver raises when a Ray node of the run died
 (`megarl.trainer.run` turns the workers' death into it). Imports psutil only.
 """
+
 from __future__ import annotations
 
 import os

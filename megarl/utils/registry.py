@@ -7,6 +7,7 @@ of valid ones; `"pkg.module:fn"` or `"path/to/file.py:fn"` loads a user function
 
 Imports only the standard library (no torch, megatron, vLLM or Ray).
 """
+
 import importlib
 import importlib.util
 import inspect
@@ -60,9 +61,7 @@ class Registry:
         try:
             inspect.signature(fn).bind(*self.params)
         except TypeError as err:
-            raise TypeError(
-                f"{self.kind} {name!r} must accept ({', '.join(self.params)}); {err}"
-            ) from None
+            raise TypeError(f"{self.kind} {name!r} must accept ({', '.join(self.params)}); {err}") from None
         except ValueError:  # builtins without a signature: accept
             pass
 

@@ -14,6 +14,7 @@ The driver's handle on a role (`megarl.controller.worker_group.RoleHandle`) read
 `cluster.actor.compute_log_probs(batch)` runs the method of `megarl.workers.Actor` the way its
 decorator says: the call an editor follows is the method that runs. Standard library only.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional

@@ -19,6 +19,7 @@ share: `ProcessSetup`, `EngineRole` (the call boundary: device mode + offload re
 
 Imports megatron, vLLM and torch.distributed only inside the worker processes (lazily); never Ray.
 """
+
 from megarl.workers.actor import Actor, ActorLossConfig, actor_loss
 from megarl.workers.base import EngineRole, ProcessSetup, build_engine, local_role
 from megarl.workers.critic import Critic, critic_loss
@@ -29,6 +30,20 @@ from megarl.workers.rollout import Rollout, RolloutSender, engine_spec
 MODEL_ROLES = {"actor": Actor, "ref": Reference, "critic": Critic, "reward_model": RewardModel}
 """The model roles by config section name, in build order."""
 
-__all__ = ["MODEL_ROLES", "Actor", "ActorLossConfig", "Critic", "EngineRole", "ProcessSetup", "Reference",
-           "RewardModel", "Rollout", "RolloutSender", "actor_loss", "build_engine", "critic_loss", "engine_spec",
-           "local_role"]
+__all__ = [
+    "MODEL_ROLES",
+    "Actor",
+    "ActorLossConfig",
+    "Critic",
+    "EngineRole",
+    "ProcessSetup",
+    "Reference",
+    "RewardModel",
+    "Rollout",
+    "RolloutSender",
+    "actor_loss",
+    "build_engine",
+    "critic_loss",
+    "engine_spec",
+    "local_role",
+]

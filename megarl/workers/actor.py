@@ -9,6 +9,7 @@ old_log_probs, advantages (+ ref_log_probs with a KL loss, is_weights when misma
 on, rollout_log_probs: the behaviour policy of decoupled_ppo). Writes: old_log_probs, entropy.
 Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,9 +43,14 @@ class ActorLossConfig:
     @classmethod
     def from_run_config(cls, cfg) -> "ActorLossConfig":
         alg = cfg.algorithm
-        return cls(policy_loss=alg.policy_loss, kl=alg.kl_loss, entropy_coef=alg.entropy_coef,
-                   loss_agg_mode=alg.loss_agg_mode, max_response_len=cfg.rollout.max_response_tokens,
-                   temperature=cfg.rollout.temperature or 1.0)
+        return cls(
+            policy_loss=alg.policy_loss,
+            kl=alg.kl_loss,
+            entropy_coef=alg.entropy_coef,
+            loss_agg_mode=alg.loss_agg_mode,
+            max_response_len=cfg.rollout.max_response_tokens,
+            temperature=cfg.rollout.temperature or 1.0,
+        )
 
 
 def actor_loss(cfg: ActorLossConfig):
@@ -55,12 +61,19 @@ def actor_loss(cfg: ActorLossConfig):
         rows, agg = mb.batch, aggregation(mb, cfg.loss_agg_mode, cfg.max_response_len)
         dev = outputs["log_probs"].device
         mask = rows["response_mask"].to(dev)
-        inputs = PolicyLossInputs(outputs["log_probs"], rows["old_log_probs"].to(dev), rows["advantages"].to(dev),
-                                  mask, _optional(rows, "is_weights", dev), _optional(rows, "rollout_log_probs", dev))
+        inputs = PolicyLossInputs(
+            outputs["log_probs"],
+            rows["old_log_probs"].to(dev),
+            rows["advantages"].to(dev),
+            mask,
+            _optional(rows, "is_weights", dev),
+            _optional(rows, "rollout_log_probs", dev),
+        )
         loss, stats = policy_loss(inputs, cfg.policy_loss, agg)
         if cfg.kl.coef:
-            kl, kl_stats = kl_loss(outputs["log_probs"], rows["ref_log_probs"].to(dev), mask, agg, cfg.kl.coef,
-                                   cfg.kl.estimator)
+            kl, kl_stats = kl_loss(
+                outputs["log_probs"], rows["ref_log_probs"].to(dev), mask, agg, cfg.kl.coef, cfg.kl.estimator
+            )
             loss, stats = loss + kl, {**stats, **kl_stats}
         bonus, ent_stats = entropy_bonus(outputs["entropy"], mask, agg, cfg.entropy_coef)
         return loss + bonus if cfg.entropy_coef else loss, {**stats, **ent_stats}

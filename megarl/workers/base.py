@@ -12,6 +12,7 @@ engine onloaded for the call and offloaded again after. Roles never repeat this 
 
 Imports megatron only inside functions (the module imports on a CPU machine without it); no Ray.
 """
+
 from __future__ import annotations
 
 import contextlib

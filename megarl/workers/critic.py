@@ -4,6 +4,7 @@ Owns `Critic` and its objective `critic_loss` (the clipped value loss, one aggre
 Reads: input_ids, attention_mask, response_mask; for the update also values (before the update)
 and returns. Writes: values. Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from megarl.algorithms import ValueLossConfig, ValueLossInputs, value_loss
@@ -19,8 +20,9 @@ def critic_loss(cfg: ValueLossConfig, loss_agg_mode: str = "token-mean"):
 
     def loss_fn(outputs: dict, mb: MicroBatch):
         rows, dev = mb.batch, outputs["values"].device
-        inputs = ValueLossInputs(outputs["values"], rows["values"].to(dev), rows["returns"].to(dev),
-                                 rows["response_mask"].to(dev))
+        inputs = ValueLossInputs(
+            outputs["values"], rows["values"].to(dev), rows["returns"].to(dev), rows["response_mask"].to(dev)
+        )
         return value_loss(inputs, cfg, aggregation(mb, loss_agg_mode))
 
     return loss_fn
@@ -31,8 +33,13 @@ class Critic(EngineRole):
 
     name = "critic"
 
-    def __init__(self, engine, loss: ValueLossConfig = ValueLossConfig(), loss_agg_mode: str = "token-mean",
-                 offload: bool = False):
+    def __init__(
+        self,
+        engine,
+        loss: ValueLossConfig = ValueLossConfig(),
+        loss_agg_mode: str = "token-mean",
+        offload: bool = False,
+    ):
         super().__init__(engine, offload)
         self.head = ValueHead()
         self.loss_fn = critic_loss(loss, loss_agg_mode)

@@ -3,6 +3,7 @@
 Reads: input_ids, attention_mask, response_mask. Writes: ref_log_probs. May share the actor's
 processes with its own layout. Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from megarl.data.batch import Batch

@@ -3,6 +3,7 @@
 Reads: input_ids, attention_mask, response_mask. Writes: rm_scores (the score at each row's last
 response token). No optimizer. Must not import vLLM or Ray.
 """
+
 from __future__ import annotations
 
 from megarl.data.batch import Batch

@@ -14,6 +14,7 @@ with the actor's optimizer step, which a resumed run restores.
 
 Imports vLLM, megatron and torch.distributed only inside the worker processes (lazily).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,9 +47,14 @@ def engine_spec(cfg) -> tuple[str, dict]:
     dtype = resolve_dtype(cfg.actor.dtype if ro.dtype == "auto" else ro.dtype)
     if backend == "embedded":
         return backend, {"dtype": dtype, "device": "cuda" if cfg.resources.accelerator == "gpu" else "cpu"}
-    kwargs = dict(dtype=str(dtype).removeprefix("torch."), max_model_len=resolve_max_model_len(cfg),
-                  seed=cfg.trainer.seed, tensor_parallel_size=ro.tp,
-                  gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager)
+    kwargs = dict(
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=resolve_max_model_len(cfg),
+        seed=cfg.trainer.seed,
+        tensor_parallel_size=ro.tp,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
+    )
     # vLLM's engine core runs in a child process (AsyncLLM); updates reach its workers as IPC buckets
     return backend, kwargs
 
@@ -93,8 +99,12 @@ class Rollout:
         session_ids = session_ids or [None] * len(requests)
 
         async def run():
-            return await asyncio.gather(*(self.engine.generate(ids, params, request_id=rid, session_id=sid)
-                                          for (ids, params), rid, sid in zip(requests, request_ids, session_ids)))
+            return await asyncio.gather(
+                *(
+                    self.engine.generate(ids, params, request_id=rid, session_id=sid)
+                    for (ids, params), rid, sid in zip(requests, request_ids, session_ids)
+                )
+            )
 
         return list(self.engine.run_sync(run()))
 
@@ -135,7 +145,7 @@ def _rank_gpus(count: int) -> str:
     host lists its node's GPUs in local-rank order; `rollout.tp` divides the GPUs per node)."""
     visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    return ",".join(visible[local:local + count])
+    return ",".join(visible[local : local + count])
 
 
 class RolloutSender:
@@ -162,8 +172,7 @@ class RolloutSender:
         from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
 
         if self.rank == 0:
-            self.sender = BroadcastSender(WeightGroup(host, port, 0, world_size, backend=backend,
-                                                      timeout_s=timeout_s))
+            self.sender = BroadcastSender(WeightGroup(host, port, 0, world_size, backend=backend, timeout_s=timeout_s))
 
     def sync_weights(self) -> Optional[int]:
         """Every actor rank calls this while the servers wait in `receive_update`; rank 0 returns the version."""
@@ -194,8 +203,10 @@ def _sharding_manager(actor_engine, hosts: set[int]):
 
     groups, layout = actor_engine.groups, actor_engine.config.layout
     replica_group = _replica_group(actor_engine)
-    train_groups = TrainGroups(groups.pg.tp, replica_group, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp,
-                               groups.ep_rank, layout.ep)
+    train_groups = TrainGroups(
+        groups.pg.tp, replica_group, groups.tp_rank, groups.pp_rank, layout.tp, layout.pp, groups.ep_rank, layout.ep
+    )
     replica = dist.get_process_group_ranks(replica_group)
-    return ShardingManager(actor_engine.bridge, actor_engine.chunks, train_groups,
-                           rollout_ranks=[r for r in replica if r in hosts])
+    return ShardingManager(
+        actor_engine.bridge, actor_engine.chunks, train_groups, rollout_ranks=[r for r in replica if r in hosts]
+    )

@@ -1,4 +1,5 @@
 """Helpers shared by the agent tests."""
+
 import asyncio
 
 import torch

@@ -1,4 +1,5 @@
 """Tools that misbehave (raise, hang, flood) and one that records its lifecycle, for the agent tests."""
+
 import asyncio
 import time
 

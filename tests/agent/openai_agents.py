@@ -1,9 +1,15 @@
 """User agent code written against the `openai` client, driven by the `openai` agent loop in the tests."""
+
 import json
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate arithmetic.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 async def calculator_agent(client, sample):

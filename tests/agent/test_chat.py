@@ -1,35 +1,58 @@
 """Chat-template rendering: the tiny template's tools section, observation deltas and end-of-turn glue."""
+
 import pytest
 from agent_helpers import encode
 
 from megarl.agent.chat import ChatRenderer
 from megarl.data.tokenizer import CHATML_TEMPLATE, build_tiny_tokenizer
 
-CALC = {"type": "function", "function": {"name": "calculator", "description": "Add.",
-                                         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Add.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
 
 
 def test_tiny_template_without_tools_renders_plain_chatml(tok):
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "v"},
+    ]
     plain = build_tiny_tokenizer()
     plain.chat_template = CHATML_TEMPLATE
     for gen in (True, False):
-        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == \
-            plain.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen
+        ) == plain.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
 
 def test_tiny_template_renders_tools_calls_and_results_like_qwen(tok):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": '{"x": "1+1"}'}}]},
-                {"role": "tool", "content": "2"}, {"role": "tool", "content": "extra"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": '{"x": "1+1"}'}}
+            ],
+        },
+        {"role": "tool", "content": "2"},
+        {"role": "tool", "content": "extra"},
+    ]
     text = tok.apply_chat_template(messages, tools=[CALC], tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n")
     assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in text
-    assert text.endswith('<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "calculator",'
-                         ' "arguments": {"x": "1+1"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n2\n'
-                         '</tool_response>\n<tool_response>\nextra\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    assert text.endswith(
+        '<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "calculator",'
+        ' "arguments": {"x": "1+1"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n2\n'
+        "</tool_response>\n<tool_response>\nextra\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_observation_is_glue_plus_template_delta(tok):

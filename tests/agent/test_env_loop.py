@@ -1,4 +1,5 @@
 """The environment loop with the real engine sampling: exact engine tokens, template deltas, per-turn rewards."""
+
 import re
 
 import pytest
@@ -20,8 +21,15 @@ def game_context(tok, **config):
 
 def game_sample(tok, seed, **extra):
     prompt = encode(tok, tok.apply_chat_template(GAME, add_generation_prompt=True, tokenize=False))
-    return AgentSample(messages=GAME, prompt_ids=prompt, ground_truth="5", agent_name="env", seed=seed,
-                       extra_info={"env": {"low": 1, "high": 9}}, **extra)
+    return AgentSample(
+        messages=GAME,
+        prompt_ids=prompt,
+        ground_truth="5",
+        agent_name="env",
+        seed=seed,
+        extra_info={"env": {"low": 1, "high": 9}},
+        **extra,
+    )
 
 
 def expected_answer(text):
@@ -40,10 +48,10 @@ def test_env_trajectory_is_engine_tokens_plus_template_deltas(tok, engine, hf_mo
     for k, turn in enumerate(model_turns):
         # the model's tokens are exactly what the engine generates from that prefix with turn k's seed
         params = ctx.turn_params(game_sample(tok, 3), k, ctx.config.max_response_tokens - turn.start)
-        direct = run(engine.generate(traj.prompt_ids + traj.response_ids[:turn.start], params))[0]
-        assert traj.response_ids[turn.start:turn.end] == direct.token_ids
-        assert traj.response_logprobs[turn.start:turn.end] == direct.logprobs
-        assert traj.response_mask[turn.start:turn.end] == [1] * len(direct.token_ids)
+        direct = run(engine.generate(traj.prompt_ids + traj.response_ids[: turn.start], params))[0]
+        assert traj.response_ids[turn.start : turn.end] == direct.token_ids
+        assert traj.response_logprobs[turn.start : turn.end] == direct.logprobs
+        assert traj.response_mask[turn.start : turn.end] == [1] * len(direct.token_ids)
         answer, reward = expected_answer(turn.text)
         if turn.finish_reason == "stop":
             assert turn.reward == reward
@@ -52,11 +60,11 @@ def test_env_trajectory_is_engine_tokens_plus_template_deltas(tok, engine, hf_mo
         glue = "" if before == tok.eos_token_id else "<|im_end|>"
         answer = expected_answer(traj.turns[traj.turns.index(turn) - 1].text)[0]
         expected = encode(tok, glue + "\n<|im_start|>user\n" + answer + "<|im_end|>\n<|im_start|>assistant\n")
-        assert traj.response_ids[turn.start:turn.end] == expected
-        assert traj.response_mask[turn.start:turn.end] == [0] * len(expected)
+        assert traj.response_ids[turn.start : turn.end] == expected
+        assert traj.response_mask[turn.start : turn.end] == [0] * len(expected)
     assert traj.turn_rewards() == [(t.end - 1, t.reward) for t in model_turns if t.reward is not None]
     assert traj.reward_extras["env_return"] == pytest.approx(sum(t.reward or 0.0 for t in model_turns))
-    forced = teacher_forced_logprobs(hf_model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1:]
+    forced = teacher_forced_logprobs(hf_model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1 :]
     for mask, logprob, ref in zip(traj.response_mask, traj.response_logprobs, forced):
         assert logprob == pytest.approx(ref, abs=1e-4) if mask else logprob == 0.0
 
@@ -78,12 +86,15 @@ class Scripted(Environment):
 ENVIRONMENTS.register("test_scripted")(Scripted)
 
 
-@pytest.mark.parametrize("env, config, reason, turns", [
-    ({"fail_at": 2}, {}, "error", 2),
-    ({"done_at": 2}, {}, "stop", 2),
-    ({}, {"max_user_turns": 0}, "max_turns", 1),
-    ({}, {"max_assistant_turns": 3, "max_user_turns": 9}, "max_turns", 3),
-])
+@pytest.mark.parametrize(
+    "env, config, reason, turns",
+    [
+        ({"fail_at": 2}, {}, "error", 2),
+        ({"done_at": 2}, {}, "stop", 2),
+        ({}, {"max_user_turns": 0}, "max_turns", 1),
+        ({}, {"max_assistant_turns": 3, "max_user_turns": 9}, "max_turns", 3),
+    ],
+)
 def test_env_outcomes_and_limits(tok, engine, env, config, reason, turns):
     ctx = game_context(tok, environment="test_scripted", environment_kwargs=env, **config)
     sample = game_sample(tok, seed=1)

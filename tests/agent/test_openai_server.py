@@ -1,4 +1,5 @@
 """The OpenAI-compatible endpoint, driven by the real `openai` client on localhost, and the `openai` loop."""
+
 import json
 from pathlib import Path
 
@@ -42,15 +43,17 @@ def test_chat_turns_of_one_session_become_one_trajectory(tok, engine, server, cl
     params = SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=(tok.eos_token_id,), seed=7)
     direct = run(engine.generate(prompt, params))[0]  # the engine's own answer to the same request
     assert traj.prompt_ids == prompt and traj.turns[0].text == reply.content
-    assert traj.response_ids[:len(direct.token_ids)] == direct.token_ids
-    assert traj.response_logprobs[:len(direct.token_ids)] == direct.logprobs
+    assert traj.response_ids[: len(direct.token_ids)] == direct.token_ids
+    assert traj.response_logprobs[: len(direct.token_ids)] == direct.logprobs
     assert [t.role for t in traj.turns] == ["assistant", "user", "assistant"]
     user = traj.turns[1]
     glue = "" if direct.token_ids[-1] == tok.eos_token_id else END
-    assert traj.response_ids[user.start:user.end] == encode(
-        tok, glue + "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n")
-    assert traj.response_mask == [1] * user.start + [0] * (user.end - user.start) + [1] * (len(traj.response_ids)
-                                                                                          - user.end)
+    assert traj.response_ids[user.start : user.end] == encode(
+        tok, glue + "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert traj.response_mask == [1] * user.start + [0] * (user.end - user.start) + [1] * (
+        len(traj.response_ids) - user.end
+    )
     assert traj.turns[2].text == second.choices[0].message.content
     assert second.usage.prompt_tokens == user.end + len(prompt)
 
@@ -59,16 +62,21 @@ def test_tool_calls_round_trip_through_the_openai_client(tok, engine, server, cl
     server.open_session(ReplayLLM(engine, tok, [CALL, "It is 5." + END]), session_id="tools")
     headers = {"X-Session-Id": "tools"}
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    first = client.chat.completions.create(model="megarl", messages=messages, tools=[CALCULATOR], extra_headers=headers,
-                                           max_tokens=200)
+    first = client.chat.completions.create(
+        model="megarl", messages=messages, tools=[CALCULATOR], extra_headers=headers, max_tokens=200
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "calculator"
     assert json.loads(call.function.arguments) == {"expression": "2+3"}
-    messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-    final = client.chat.completions.create(model="megarl", messages=messages, tools=[CALCULATOR], extra_headers=headers,
-                                           max_tokens=200)
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
+    final = client.chat.completions.create(
+        model="megarl", messages=messages, tools=[CALCULATOR], extra_headers=headers, max_tokens=200
+    )
     assert final.choices[0].message.content == "It is 5." and final.choices[0].finish_reason == "stop"
     [traj] = server.close_session("tools")
     observation = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -87,9 +95,15 @@ def test_an_edited_history_starts_a_new_chain(tok, server, client):
     assert len(chains) == 2 and all(t.response_mask == [1] * len(t.response_ids) for t in chains)
 
 
-@pytest.mark.parametrize("fields, message", [({"n": 2}, "'n' must be 1"), ({"stop": ["x"]}, "'stop' strings"),
-                                             ({"messages": []}, "non-empty list"),
-                                             ({"temperature": -1}, "temperature")])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"n": 2}, "'n' must be 1"),
+        ({"stop": ["x"]}, "'stop' strings"),
+        ({"messages": []}, "non-empty list"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
 def test_bad_requests_get_400_naming_the_field(client, fields, message):
     body = {"model": "megarl", "messages": [{"role": "user", "content": "x"}], **fields}
     with pytest.raises(openai.BadRequestError, match=message):
@@ -108,13 +122,18 @@ def test_openai_agent_code_becomes_a_trajectory(tok, engine, agent_fn):
     try:
         traj = run(run_agent(sample, ReplayLLM(engine, tok, [CALL, "It is 5." + END]), ctx))
         if agent_fn == "sync_agent":
-            assert traj.response_ids == encode(tok, CALL) and traj.reward_extras["agent_result"] == CALL[:-len(END)]
+            assert traj.response_ids == encode(tok, CALL) and traj.reward_extras["agent_result"] == CALL[: -len(END)]
             return
         assert traj.reward_extras["agent_result"] == "It is 5." and traj.num_turns == 2
         assert [t.role for t in traj.turns] == ["assistant", "tool", "assistant"]
         assert traj.turns[1].text == "5" and traj.metrics["openai_chains"] == 1
-        plain = run(run_agent(sample, EngineLLM(engine), AgentContext(tok, ctx.params, AgentConfig(
-            openai_agent=f"{HERE / 'openai_agents.py'}:sync_agent"))))
+        plain = run(
+            run_agent(
+                sample,
+                EngineLLM(engine),
+                AgentContext(tok, ctx.params, AgentConfig(openai_agent=f"{HERE / 'openai_agents.py'}:sync_agent")),
+            )
+        )
         assert plain.num_turns == 1 and plain.response_mask == [1] * len(plain.response_ids)
     finally:
         ctx.close()

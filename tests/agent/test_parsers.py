@@ -1,4 +1,5 @@
 """Tool-call parsers: hermes, pythonic, mistral; bad calls become malformed ToolCalls, never exceptions."""
+
 import pytest
 
 from megarl.agent import AgentConfig, AgentContext
@@ -6,23 +7,30 @@ from megarl.agent.parsers import TOOL_PARSERS, get_parser
 
 
 def test_hermes_reads_calls_and_content():
-    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
-            '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>')
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
+        '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>'
+    )
     parsed = get_parser("hermes")(text)
     assert parsed.content == "Let me compute."
     assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [
-        ("calculator", {"expression": "2+3"}, None), ("search", {"query": "x"}, None)]
+        ("calculator", {"expression": "2+3"}, None),
+        ("search", {"query": "x"}, None),
+    ]
     assert get_parser("hermes")("no calls here").calls == []
 
 
-@pytest.mark.parametrize("body, reason", [
-    ("<tool_call>{not json}</tool_call>", "not valid JSON"),
-    ('<tool_call>{"arguments": {}}</tool_call>', 'string "name"'),
-    ('<tool_call>["calculator"]</tool_call>', 'string "name"'),
-    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "must be a JSON object"),
-    ('<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>', "not valid JSON"),
-    ('<tool_call>{"name": "f", "arguments": {}}', "not closed"),
-])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ("<tool_call>{not json}</tool_call>", "not valid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'string "name"'),
+        ('<tool_call>["calculator"]</tool_call>', 'string "name"'),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "must be a JSON object"),
+        ('<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>', "not valid JSON"),
+        ('<tool_call>{"name": "f", "arguments": {}}', "not closed"),
+    ],
+)
 def test_hermes_malformed_calls_carry_the_reason(body, reason):
     parsed = get_parser("hermes")("text " + body)
     assert len(parsed.calls) == 1 and reason in parsed.calls[0].error
@@ -31,8 +39,10 @@ def test_hermes_malformed_calls_carry_the_reason(body, reason):
 def test_pythonic_reads_a_list_of_calls():
     parsed = get_parser("pythonic")('Sure. [calculator(expression="2*4"), search(query="cats", top_k=2)]')
     assert parsed.content == "Sure."
-    assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "2*4"}),
-                                                             ("search", {"query": "cats", "top_k": 2})]
+    assert [(c.name, c.arguments) for c in parsed.calls] == [
+        ("calculator", {"expression": "2*4"}),
+        ("search", {"query": "cats", "top_k": 2}),
+    ]
     assert get_parser("pythonic")("just [1, 2] text").calls == []
     bad = get_parser("pythonic")("[f(x=open('a'))]").calls[0]
     assert bad.name == "f" and "literals" in bad.error

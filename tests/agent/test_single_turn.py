@@ -1,12 +1,22 @@
 """The agent-loop contract: samples from rows, the registry, trajectories, and `single_turn` = today's rollout."""
+
 import json
 
 import numpy as np
 import pytest
 from agent_helpers import encode, run
 
-from megarl.agent import (AGENT_LOOPS, AgentConfig, AgentContext, AgentSample, EngineLLM, Trajectory, get_agent_loop,
-                          run_agent, summarize)
+from megarl.agent import (
+    AGENT_LOOPS,
+    AgentConfig,
+    AgentContext,
+    AgentSample,
+    EngineLLM,
+    Trajectory,
+    get_agent_loop,
+    run_agent,
+    summarize,
+)
 from megarl.data.datasets import collate_prompts
 from megarl.rollout import SamplingParams
 from megarl.trainer.batching import requests
@@ -17,10 +27,19 @@ PROMPTS = ["What is 2+3?", "Name a colour.", "Count to three:"]
 def _items(tok):
     items = []
     for i, text in enumerate(PROMPTS):
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
-        items.append({"input_ids": np.array(encode(tok, rendered)), "raw_prompt": text, "ground_truth": str(i),
-                      "data_source": "arithmetic", "dataset_index": i, "extra_info": {"k": i}})
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        items.append(
+            {
+                "input_ids": np.array(encode(tok, rendered)),
+                "raw_prompt": text,
+                "ground_truth": str(i),
+                "data_source": "arithmetic",
+                "dataset_index": i,
+                "extra_info": {"k": i},
+            }
+        )
     return items
 
 
@@ -44,9 +63,17 @@ def test_single_turn_reproduces_todays_rollout_tokens_and_logprobs(tok, engine, 
 
 
 def test_sample_from_row_reads_the_dataset_columns():
-    row = {"input_ids": np.array([5, 6, 7]), "raw_prompt": "hi", "ground_truth": "4", "data_source": "gsm8k",
-           "extra_info": {"a": 1}, "agent_name": "tool_agent", "tools": "calculator, search", "dataset_index": 9,
-           "my_column": "x"}
+    row = {
+        "input_ids": np.array([5, 6, 7]),
+        "raw_prompt": "hi",
+        "ground_truth": "4",
+        "data_source": "gsm8k",
+        "extra_info": {"a": 1},
+        "agent_name": "tool_agent",
+        "tools": "calculator, search",
+        "dataset_index": 9,
+        "my_column": "x",
+    }
     sample = AgentSample.from_row(row, seed=3)
     assert sample.messages == [{"role": "user", "content": "hi"}]
     assert sample.prompt_ids == [5, 6, 7] and sample.seed == 3 and sample.index == 9

@@ -1,4 +1,5 @@
 """The tool agent loop, token by token: scripted model turns (ReplayLLM: real engine log-probs), real tools."""
+
 import json
 from pathlib import Path
 
@@ -51,40 +52,66 @@ def test_two_turn_trajectory_tokens_mask_and_logprobs_by_hand(tok, engine, hf_mo
     assert traj.response_mask == [1] * len(ids1) + [0] * len(obs) + [1] * len(ids2)
     assert traj.response_versions == [engine.version] * len(ids1) + [-1] * len(obs) + [engine.version] * len(ids2)
 
-    forced = teacher_forced_logprobs(hf_model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1:]
+    forced = teacher_forced_logprobs(hf_model, traj.prompt_ids + traj.response_ids)[len(traj.prompt_ids) - 1 :]
     for i, (mask, logprob) in enumerate(zip(traj.response_mask, traj.response_logprobs)):
         assert logprob == pytest.approx(forced[i], abs=1e-4) if mask else logprob == 0.0
 
     assert [t.role for t in traj.turns] == ["assistant", "tool", "assistant"]
-    assert traj.turns[0].tool_calls == [{"name": "calculator", "arguments": {"expression": "2+3"}, "id": "call_0_0",
-                                         "error": None}]
+    assert traj.turns[0].tool_calls == [
+        {"name": "calculator", "arguments": {"expression": "2+3"}, "id": "call_0_0", "error": None}
+    ]
     assert traj.turns[1].tool_results[0]["text"] == "5" and (traj.turns[1].start, traj.turns[1].end) == (
-        len(ids1), len(ids1) + len(obs))
+        len(ids1),
+        len(ids1) + len(obs),
+    )
     assert traj.finish_reason == "stop" and traj.num_turns == 2
     assert traj.metrics["tool_calls"] == 1 and traj.metrics["tool_errors"] == 0
     assert traj.metrics["masked_token_share"] == pytest.approx(len(obs) / len(traj.response_ids))
 
 
 def test_bad_tool_calls_are_observations_the_model_sees_and_counted(tok, engine, tool_yaml):
-    ctx = context(tok, tool_yaml, max_tokens=600, tool_timeout_s=0.3, max_parallel_calls=8, max_tool_response_tokens=100)
-    turn1 = ("<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1\"\n</tool_call>"
-             + call_text("web_search", query="x") + call_text("calculator", expr="2")
-             + call_text("explode") + call_text("hang") + call_text("flood") + END)
+    ctx = context(
+        tok, tool_yaml, max_tokens=600, tool_timeout_s=0.3, max_parallel_calls=8, max_tool_response_tokens=100
+    )
+    turn1 = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"\n</tool_call>'
+        + call_text("web_search", query="x")
+        + call_text("calculator", expr="2")
+        + call_text("explode")
+        + call_text("hang")
+        + call_text("flood")
+        + END
+    )
     tools = ["calculator", "explode", "hang", "flood"]
     traj = replay(engine, tok, ctx, [turn1, "I see." + END], tools=tools)
     assert traj.finish_reason == "stop" and traj.num_turns == 2
     errors = {k.split("/")[1]: v for k, v in traj.metrics.items() if k.startswith("tool_errors/")}
-    assert errors == {"malformed": 1, "unknown": 1, "bad_args": 1, "raised": 1, "timeout": 1, "too_long": 1,
-                      "over_limit": 0}
+    assert errors == {
+        "malformed": 1,
+        "unknown": 1,
+        "bad_args": 1,
+        "raised": 1,
+        "timeout": 1,
+        "too_long": 1,
+        "over_limit": 0,
+    }
     obs = traj.turns[1]
-    seen = tok.decode(traj.response_ids[obs.start:obs.end])
+    seen = tok.decode(traj.response_ids[obs.start : obs.end])
     blocks = seen.split("<tool_response>\n")[1:]
     assert len(blocks) == 6
-    for block, expected in zip(blocks, ["malformed tool call: not valid JSON", "unknown tool 'web_search'",
-                                        "'expression' is a required property", "explode raised RuntimeError: boom",
-                                        "hang timed out after 0.3 s", TRUNCATION_MARK]):
+    for block, expected in zip(
+        blocks,
+        [
+            "malformed tool call: not valid JSON",
+            "unknown tool 'web_search'",
+            "'expression' is a required property",
+            "explode raised RuntimeError: boom",
+            "hang timed out after 0.3 s",
+            TRUNCATION_MARK,
+        ],
+    ):
         assert expected in block
-    assert traj.response_mask[obs.start:obs.end] == [0] * (obs.end - obs.start)
+    assert traj.response_mask[obs.start : obs.end] == [0] * (obs.end - obs.start)
 
 
 def test_pythonic_parser_drives_the_same_loop(tok, engine, tool_yaml):
@@ -93,13 +120,16 @@ def test_pythonic_parser_drives_the_same_loop(tok, engine, tool_yaml):
     assert traj.turns[1].tool_results[0]["text"] == "42" and traj.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("config, max_tokens, reason, tool_calls", [
-    ({"max_assistant_turns": 1}, 200, "max_turns", 0),
-    ({"max_tool_calls": 0}, 200, "tool_budget", 0),
-    ({"max_response_tokens": 90}, 200, "length", 1),  # the tool ran, but its turn would not fit the budget
-    ({}, 20, "length", 0),  # the turn itself was cut by max_tokens
-    ({"max_assistant_turns": 2}, 200, "max_turns", 1),
-])
+@pytest.mark.parametrize(
+    "config, max_tokens, reason, tool_calls",
+    [
+        ({"max_assistant_turns": 1}, 200, "max_turns", 0),
+        ({"max_tool_calls": 0}, 200, "tool_budget", 0),
+        ({"max_response_tokens": 90}, 200, "length", 1),  # the tool ran, but its turn would not fit the budget
+        ({}, 20, "length", 0),  # the turn itself was cut by max_tokens
+        ({"max_assistant_turns": 2}, 200, "max_turns", 1),
+    ],
+)
 def test_limits_end_the_loop_with_their_finish_reason(tok, engine, tool_yaml, config, max_tokens, reason, tool_calls):
     ctx = context(tok, tool_yaml, max_tokens=max_tokens, **config)
     turn = call_text("calculator", expression="1+1") + END

@@ -1,4 +1,5 @@
 """Tools: YAML loading, the built-in tools, and running calls (every bad-tool case is an observation)."""
+
 import json
 import time
 from pathlib import Path
@@ -12,16 +13,24 @@ from megarl.agent.tools.runner import TRUNCATION_MARK, run_calls
 from megarl.agent.tools.search import SearchTool
 
 HERE = Path(__file__).resolve().parent
-CORPUS = [{"title": "Paris", "text": "Paris is the capital of France."},
-          {"title": "Nile", "text": "The Nile is the longest river in Africa."},
-          {"title": "Cats", "text": "Cats sleep for most of the day."}]
+CORPUS = [
+    {"title": "Paris", "text": "Paris is the capital of France."},
+    {"title": "Nile", "text": "The Nile is the longest river in Africa."},
+    {"title": "Cats", "text": "Cats sleep for most of the day."},
+]
 
 
 def write_tool_yaml(tmp_path, *extra: str) -> str:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps(d) for d in CORPUS))
-    lines = ["tools:", "  - type: calculator", "  - type: python", "    config: {timeout_s: 2, memory_mb: 256}",
-             "  - type: search", f"    config: {{corpus: {corpus}, top_k: 2}}"]
+    lines = [
+        "tools:",
+        "  - type: calculator",
+        "  - type: python",
+        "    config: {timeout_s: 2, memory_mb: 256}",
+        "  - type: search",
+        f"    config: {{corpus: {corpus}, top_k: 2}}",
+    ]
     lines += [f"  - type: {HERE / 'agent_tools.py'}:{cls}" for cls in extra]
     path = tmp_path / "tools.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -33,7 +42,11 @@ def sample(index=0):
 
 
 def call(toolset, tok, name, **arguments):
-    return run(run_calls([ToolCall(name, arguments)], toolset.session(sample()), AgentConfig(max_tool_response_tokens=2048), tok))[0]
+    return run(
+        run_calls(
+            [ToolCall(name, arguments)], toolset.session(sample()), AgentConfig(max_tool_response_tokens=2048), tok
+        )
+    )[0]
 
 
 def test_yaml_declares_builtin_and_custom_tools(tmp_path):
@@ -46,19 +59,24 @@ def test_yaml_declares_builtin_and_custom_tools(tmp_path):
         toolset.schemas(["web"])
 
 
-@pytest.mark.parametrize("content, error", [
-    ("tools: []\n", "non-empty list under 'tools:'"),
-    ("tools:\n  - config: {}\n", "needs 'type'"),
-    ("tools:\n  - type: abacus\n", "unknown tool 'abacus'.*calculator"),
-    ("tools:\n  - type: calculator\n    extra: 1\n", "unknown keys"),
-    ("tools:\n  - type: calculator\n  - type: calculator\n", "two tools are named 'calculator'"),
-    ("tools:\n  - type: calculator\n    config: {digits: 3}\n", "cannot build tool 'calculator'"),
-    ("tools:\n  - type: search\n", "needs a corpus file"),
-    ("tools:\n  - type: calculator\n    schema: {function: {name: 'bad name'}}\n", "identifier"),
-    ("tools:\n  - type: calculator\n    schema: {function: {name: calc, parameters: {type: 12}}}\n",
-     "invalid parameters JSON schema"),
-    ("tools:\n  - type: megarl.agent.base:AgentSample\n", "not a subclass"),
-])
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ("tools: []\n", "non-empty list under 'tools:'"),
+        ("tools:\n  - config: {}\n", "needs 'type'"),
+        ("tools:\n  - type: abacus\n", "unknown tool 'abacus'.*calculator"),
+        ("tools:\n  - type: calculator\n    extra: 1\n", "unknown keys"),
+        ("tools:\n  - type: calculator\n  - type: calculator\n", "two tools are named 'calculator'"),
+        ("tools:\n  - type: calculator\n    config: {digits: 3}\n", "cannot build tool 'calculator'"),
+        ("tools:\n  - type: search\n", "needs a corpus file"),
+        ("tools:\n  - type: calculator\n    schema: {function: {name: 'bad name'}}\n", "identifier"),
+        (
+            "tools:\n  - type: calculator\n    schema: {function: {name: calc, parameters: {type: 12}}}\n",
+            "invalid parameters JSON schema",
+        ),
+        ("tools:\n  - type: megarl.agent.base:AgentSample\n", "not a subclass"),
+    ],
+)
 def test_bad_tool_yaml_fails_naming_the_fix(tmp_path, content, error):
     path = tmp_path / "tools.yaml"
     path.write_text(content)
@@ -81,16 +99,26 @@ def test_builtin_calculator_python_and_search(tmp_path, tok):
     assert "PermissionError: sandbox: socket" in net.text and net.error is None
     hits = call(toolset, tok, "search", query="capital of France").text
     assert hits.startswith("(1) Paris: Paris is the capital of France.")
-    assert call(toolset, tok, "search", query="longest river", top_k=1).text == "(1) Nile: The Nile is the longest river in Africa."
+    assert (
+        call(toolset, tok, "search", query="longest river", top_k=1).text
+        == "(1) Nile: The Nile is the longest river in Africa."
+    )
     assert call(toolset, tok, "search", query="zebra").text == "No results."
 
 
 def test_every_bad_call_becomes_an_error_observation(tmp_path, tok):
     toolset = ToolSet.from_yaml(write_tool_yaml(tmp_path, "Raiser", "Hanger", "SyncHanger", "Flood"))
-    calls = [ToolCall("", raw="{oops", error="not valid JSON"), ToolCall("web_search", {"q": "x"}),
-             ToolCall("calculator", {"expr": "1"}), ToolCall("calculator", {"expression": 5}),
-             ToolCall("explode", {}), ToolCall("hang", {}), ToolCall("sync_hang", {}), ToolCall("flood", {}),
-             ToolCall("calculator", {"expression": "1+1"})]
+    calls = [
+        ToolCall("", raw="{oops", error="not valid JSON"),
+        ToolCall("web_search", {"q": "x"}),
+        ToolCall("calculator", {"expr": "1"}),
+        ToolCall("calculator", {"expression": 5}),
+        ToolCall("explode", {}),
+        ToolCall("hang", {}),
+        ToolCall("sync_hang", {}),
+        ToolCall("flood", {}),
+        ToolCall("calculator", {"expression": "1+1"}),
+    ]
     config = AgentConfig(tool_timeout_s=0.5, max_parallel_calls=16, max_tool_response_tokens=120)
     start = time.monotonic()
     results = run(run_calls(calls, toolset.session(sample()), config, tok))
@@ -107,10 +135,14 @@ def test_every_bad_call_becomes_an_error_observation(tmp_path, tok):
     assert texts[8] == "2"
 
 
-@pytest.mark.parametrize("side, check", [("right", lambda t: t.startswith("0123") and t.endswith(TRUNCATION_MARK)),
-                                          ("left", lambda t: t.startswith(TRUNCATION_MARK) and t.endswith("789")),
-                                          ("middle", lambda t: t.startswith("0123") and t.endswith("789")
-                                           and TRUNCATION_MARK in t)])
+@pytest.mark.parametrize(
+    "side, check",
+    [
+        ("right", lambda t: t.startswith("0123") and t.endswith(TRUNCATION_MARK)),
+        ("left", lambda t: t.startswith(TRUNCATION_MARK) and t.endswith("789")),
+        ("middle", lambda t: t.startswith("0123") and t.endswith("789") and TRUNCATION_MARK in t),
+    ],
+)
 def test_long_results_are_cut_on_the_configured_side(tmp_path, tok, side, check):
     toolset = ToolSet.from_yaml(write_tool_yaml(tmp_path, "Flood"))
     config = AgentConfig(max_tool_response_tokens=40, tool_response_truncate_side=side)
@@ -154,9 +186,11 @@ def test_search_tool_never_loads_numba_so_vllm_can_still_start(tmp_path):
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("Paris is in France\nRivers flow\n")
-    code = ("import sys; from megarl.agent.tools.search import SearchTool; "
-            f"print(SearchTool(corpus={str(corpus)!r}).execute(None, {{'query': 'France'}})); "
-            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    code = (
+        "import sys; from megarl.agent.tools.search import SearchTool; "
+        f"print(SearchTool(corpus={str(corpus)!r}).execute(None, {{'query': 'France'}})); "
+        "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.splitlines()[-2:] == ["(1) Paris is in France", "[]"]
     (tmp_path / "stop.txt").write_text("the of a\nand to\n")

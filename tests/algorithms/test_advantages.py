@@ -1,4 +1,5 @@
 """Advantage estimators: hand-computed cases, and properties (padding, permutation, group means)."""
+
 import math
 
 import numpy as np
@@ -8,7 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS, AdvantageConfig, AdvantageInputs, discounted_cumsum, get_advantage_estimator,
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    AdvantageInputs,
+    discounted_cumsum,
+    get_advantage_estimator,
 )
 
 FAST = settings(max_examples=50, deadline=None)
@@ -36,8 +41,9 @@ def random_inputs(seed, B, T, holes=True, group_size=3):
     values = torch.randn(B, T, generator=gen, dtype=torch.float64)
     group_ids = np.array([f"prompt-{(i * 7) % max(1, B // group_size)}" for i in range(B)], dtype=object)
     baseline = torch.randn(B, generator=gen, dtype=torch.float64)
-    return dict(token_level_rewards=rewards, response_mask=mask, values=values,
-                group_ids=group_ids, baseline_rewards=baseline)
+    return dict(
+        token_level_rewards=rewards, response_mask=mask, values=values, group_ids=group_ids, baseline_rewards=baseline
+    )
 
 
 def textbook_gae(rewards, values, mask, gamma, lam):
@@ -56,6 +62,7 @@ def textbook_gae(rewards, values, mask, gamma, lam):
 
 
 # ---- registry ---------------------------------------------------------------------------------
+
 
 def test_every_documented_estimator_is_registered():
     assert set(ESTIMATORS) <= set(ADVANTAGE_ESTIMATORS.names())
@@ -80,26 +87,41 @@ def test_config_rejects_gamma_outside_unit_interval():
 
 # ---- hand-computed cases ----------------------------------------------------------------------
 
+
 def test_gae_gamma09_lam08_hand_computed():
     # δ = [0 + .9·.6 − .5, 0 + .9·.7 − .6, 1 − .7] = [.04, .03, .3];  A_t = δ_t + .72·A_{t+1}
-    adv, ret = run("gae", AdvantageConfig(gamma=0.9, lam=0.8, whiten_gae=False),
-                   token_level_rewards=t([[0, 0, 1]]), values=t([[0.5, 0.6, 0.7]]), response_mask=t([[1, 1, 1]]))
+    adv, ret = run(
+        "gae",
+        AdvantageConfig(gamma=0.9, lam=0.8, whiten_gae=False),
+        token_level_rewards=t([[0, 0, 1]]),
+        values=t([[0.5, 0.6, 0.7]]),
+        response_mask=t([[1, 1, 1]]),
+    )
     torch.testing.assert_close(adv, t([[0.21712, 0.246, 0.3]]))
     torch.testing.assert_close(ret, t([[0.71712, 0.846, 1.0]]))
 
 
 def test_gae_skips_masked_tool_token_in_the_middle():
     # token 1 is not a step: V_next(0) = V_2 = .7, δ0 = .9·.7 − .5 = .13, A0 = .13 + .72·.3
-    adv, ret = run("gae", AdvantageConfig(gamma=0.9, lam=0.8, whiten_gae=False),
-                   token_level_rewards=t([[0, 99, 1]]), values=t([[0.5, 99, 0.7]]), response_mask=t([[1, 0, 1]]))
+    adv, ret = run(
+        "gae",
+        AdvantageConfig(gamma=0.9, lam=0.8, whiten_gae=False),
+        token_level_rewards=t([[0, 99, 1]]),
+        values=t([[0.5, 99, 0.7]]),
+        response_mask=t([[1, 0, 1]]),
+    )
     torch.testing.assert_close(adv, t([[0.346, 0.0, 0.3]]))
     torch.testing.assert_close(ret, t([[0.846, 0.0, 1.0]]))
 
 
 def test_gae_whitened_has_zero_mean_unit_std_over_tokens():
-    adv, _ = run("gae", AdvantageConfig(gamma=0.9, lam=0.8),
-                 token_level_rewards=t([[0, 0, 1], [0, 2, 0]]), values=t([[0.5, 0.6, 0.7], [1, 1, 1]]),
-                 response_mask=t([[1, 1, 1], [1, 1, 0]]))
+    adv, _ = run(
+        "gae",
+        AdvantageConfig(gamma=0.9, lam=0.8),
+        token_level_rewards=t([[0, 0, 1], [0, 2, 0]]),
+        values=t([[0.5, 0.6, 0.7], [1, 1, 1]]),
+        response_mask=t([[1, 1, 1], [1, 1, 0]]),
+    )
     tokens = adv[torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()]
     assert abs(tokens.mean().item()) < 1e-9 and tokens.std().item() == pytest.approx(1.0, abs=1e-6)
     assert adv[1, 2] == 0
@@ -155,8 +177,12 @@ def test_grpo_zero_variance_group_gets_zero_advantage():
 
 def test_reinforce_plus_plus_hand_computed():
     # γ = .5: row 0 returns [1 + .5·2, 2] = [2, 2], row 1 [4]; whitened over tokens {2, 2, 4}
-    adv, ret = run("reinforce_plus_plus", AdvantageConfig(gamma=0.5),
-                   token_level_rewards=t([[1, 2], [4, 99]]), response_mask=t([[1, 1], [1, 0]]))
+    adv, ret = run(
+        "reinforce_plus_plus",
+        AdvantageConfig(gamma=0.5),
+        token_level_rewards=t([[1, 2], [4, 99]]),
+        response_mask=t([[1, 1], [1, 0]]),
+    )
     torch.testing.assert_close(ret, t([[2, 2], [4, 0]]))
     std = math.sqrt(4 / 3)
     torch.testing.assert_close(adv, t([[-2 / 3 / std, -2 / 3 / std], [4 / 3 / std, 0]]), atol=1e-6, rtol=1e-6)
@@ -164,8 +190,12 @@ def test_reinforce_plus_plus_hand_computed():
 
 def test_reinforce_plus_plus_baseline_hand_computed():
     # scores a: 1, 3 → centered −1, 1; b (alone): 0. Tokens {−1, −1, 1, 0, 0}: mean −.2, var .7
-    adv, _ = run("reinforce_plus_plus_baseline", token_level_rewards=t([[0, 1], [3, 0], [5, 0]]),
-                 response_mask=t([[1, 1], [1, 0], [1, 1]]), group_ids=["a", "a", "b"])
+    adv, _ = run(
+        "reinforce_plus_plus_baseline",
+        token_level_rewards=t([[0, 1], [3, 0], [5, 0]]),
+        response_mask=t([[1, 1], [1, 0], [1, 1]]),
+        group_ids=["a", "a", "b"],
+    )
     std = math.sqrt(0.7)
     expected = t([[-0.8, -0.8], [1.2, 0], [0.2, 0.2]]) / std
     expected[1, 1] = 0
@@ -173,13 +203,18 @@ def test_reinforce_plus_plus_baseline_hand_computed():
 
 
 def test_remax_subtracts_greedy_baseline_from_reward_to_go():
-    adv, ret = run("remax", token_level_rewards=t([[0, 1], [0, 2]]), response_mask=t([[1, 1], [1, 1]]),
-                   baseline_rewards=t([0.5, 3.0]))
+    adv, ret = run(
+        "remax",
+        token_level_rewards=t([[0, 1], [0, 2]]),
+        response_mask=t([[1, 1], [1, 1]]),
+        baseline_rewards=t([0.5, 3.0]),
+    )
     torch.testing.assert_close(ret, t([[1, 1], [2, 2]]))
     torch.testing.assert_close(adv, t([[0.5, 0.5], [-1, -1]]))
 
 
 # ---- properties -------------------------------------------------------------------------------
+
 
 @FAST
 @given(seed=st.integers(0, 2**31), B=st.integers(1, 6), T=st.integers(1, 40))
@@ -194,8 +229,13 @@ def test_gae_lambda1_gamma1_equals_reward_to_go_minus_value(seed, B, T):
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(1, 6), T=st.integers(1, 60),
-       gamma=st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.0]), lam=st.sampled_from([1.0, 0.95, 0.3, 0.0]))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(1, 6),
+    T=st.integers(1, 60),
+    gamma=st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.0]),
+    lam=st.sampled_from([1.0, 0.95, 0.3, 0.0]),
+)
 def test_gae_matches_textbook_loop_with_holes(seed, B, T, gamma, lam):
     inputs = random_inputs(seed, B, T)
     adv, _ = run("gae", AdvantageConfig(gamma=gamma, lam=lam, whiten_gae=False), **inputs)
@@ -204,8 +244,12 @@ def test_gae_matches_textbook_loop_with_holes(seed, B, T, gamma, lam):
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), T=st.integers(1, 50), chunk=st.integers(1, 9),
-       discount=st.sampled_from([0.999, 0.9, 0.3]))
+@given(
+    seed=st.integers(0, 2**31),
+    T=st.integers(1, 50),
+    chunk=st.integers(1, 9),
+    discount=st.sampled_from([0.999, 0.9, 0.3]),
+)
 def test_discounted_cumsum_any_chunk_length_matches_loop(seed, T, chunk, discount):
     inputs = random_inputs(seed, 3, T)
     x, mask = inputs["token_level_rewards"], inputs["response_mask"]
@@ -237,8 +281,13 @@ def pad_with_garbage(inputs, seed, extra):
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(1, 6), T=st.integers(1, 30), extra=st.integers(0, 7),
-       name=st.sampled_from(ESTIMATORS))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(1, 6),
+    T=st.integers(1, 30),
+    extra=st.integers(0, 7),
+    name=st.sampled_from(ESTIMATORS),
+)
 def test_padding_with_garbage_never_changes_advantages_or_returns(seed, B, T, extra, name):
     inputs = random_inputs(seed, B, T)
     cfg = AdvantageConfig(gamma=0.97, lam=0.9)
@@ -279,6 +328,10 @@ def test_integer_tensor_group_ids_match_string_ids():
 
 
 def test_float32_and_bool_mask_inputs_give_float32_outputs():
-    adv, ret = run("gae", token_level_rewards=torch.zeros(2, 3), values=torch.ones(2, 3),
-                   response_mask=torch.ones(2, 3, dtype=torch.bool))
+    adv, ret = run(
+        "gae",
+        token_level_rewards=torch.zeros(2, 3),
+        values=torch.ones(2, 3),
+        response_mask=torch.ones(2, 3, dtype=torch.bool),
+    )
     assert adv.dtype == torch.float32 and ret.dtype == torch.float32

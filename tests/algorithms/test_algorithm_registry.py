@@ -1,9 +1,15 @@
 """Registries: one signature per kind, unknown names list valid ones, dotted-path loading."""
+
 import pytest
 
 from megarl.algorithms import (
-    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, get_advantage_estimator,
-    get_kl_estimator, get_policy_loss,
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    get_advantage_estimator,
+    get_kl_estimator,
+    get_policy_loss,
 )
 from megarl.utils.registry import Registry
 
@@ -59,18 +65,26 @@ def test_register_checks_signature_and_duplicates():
 
 
 def test_registries_hold_the_documented_members():
-    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-            "remax"} <= set(ADVANTAGE_ESTIMATORS.names())
+    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"} <= set(
+        ADVANTAGE_ESTIMATORS.names()
+    )
     assert {"ppo_clip", "gspo", "cispo"} <= set(POLICY_LOSSES.names())
     assert {"k1", "k2", "k3", "low_var_kl", "abs"} <= set(KL_ESTIMATORS.names())
     assert set(LOSS_AGGREGATIONS.names()) == {
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    }
 
 
 def test_algorithms_import_without_megatron_vllm_or_ray():
     import subprocess
     import sys
-    code = ("import sys, megarl.algorithms, megarl.algorithms.dapo, megarl.data.batch, megarl.data.balancing; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'ray')]; "
-            "assert not bad, bad")
+
+    code = (
+        "import sys, megarl.algorithms, megarl.algorithms.dapo, megarl.data.batch, megarl.data.balancing; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'ray')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

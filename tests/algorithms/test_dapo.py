@@ -1,4 +1,5 @@
 """DAPO: group filtering, dynamic sampling loop, soft overlong penalty, overlong filtering."""
+
 import numpy as np
 import pytest
 import torch
@@ -25,11 +26,13 @@ def rollout(round_index, groups):
 
 
 def test_dynamic_sample_accumulates_until_target_and_trims_to_exactly_target_groups():
-    rounds = iter([
-        rollout(0, [[1, 1], [0, 1], [0, 0]]),   # 1 group with signal
-        rollout(1, [[1, 0], [1, 1], [0, 1]]),   # 2 more, target reached
-        rollout(2, [[1, 0]]),                    # never needed
-    ])
+    rounds = iter(
+        [
+            rollout(0, [[1, 1], [0, 1], [0, 0]]),  # 1 group with signal
+            rollout(1, [[1, 0], [1, 1], [0, 1]]),  # 2 more, target reached
+            rollout(2, [[1, 0]]),  # never needed
+        ]
+    )
     batch, generations = dynamic_sample(lambda: next(rounds), target_prompts=2, max_generations=5)
     assert generations == 2
     assert list(batch["uid"]) == ["r0-g1", "r0-g1", "r1-g0", "r1-g0"]

@@ -1,4 +1,5 @@
 """Loss aggregation modes: hand-computed values, and exact invariance to any shard/micro-batch split."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,12 +13,15 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], dtype=t
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 2 has no loss tokens
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", 7 / 3),                   # (1 + 2 + 4) / 3 tokens
-    ("seq-mean-token-sum", 7 / 2),           # (3 + 4) / 2 non-empty rows
-    ("seq-mean-token-mean", (1.5 + 4) / 2),
-    ("seq-mean-token-sum-norm", 7 / (2 * 4)),  # max_response_len = 4
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("seq-mean-token-sum", 7 / 2),  # (3 + 4) / 2 non-empty rows
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", 7 / (2 * 4)),  # max_response_len = 4
+    ],
+)
 def test_aggregation_hand_computed(mode, expected):
     agg = LossAggregation(mode, max_response_len=4)
     assert aggregate_loss(LOSS, MASK, agg).item() == pytest.approx(expected)
@@ -50,8 +54,13 @@ def test_garbage_in_masked_positions_does_not_leak():
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(1, 12), T=st.integers(1, 16),
-       cuts=st.lists(st.integers(0, 12), max_size=5), mode=st.sampled_from(MODES))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(1, 12),
+    T=st.integers(1, 16),
+    cuts=st.lists(st.integers(0, 12), max_size=5),
+    mode=st.sampled_from(MODES),
+)
 def test_sum_of_shard_losses_and_grads_equals_unsplit(seed, B, T, cuts, mode):
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(B, T, generator=gen) > 0.4

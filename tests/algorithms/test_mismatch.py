@@ -1,4 +1,5 @@
 """Rollout/train mismatch: truncated importance weights at three levels, and mismatch metrics."""
+
 import math
 
 import pytest
@@ -12,11 +13,14 @@ ROLLOUT = torch.tensor([[math.log(0.2), math.log(0.2), 7.0]], dtype=torch.float6
 MASK = torch.tensor([[1, 1, 0]])
 
 
-@pytest.mark.parametrize("level, expected", [
-    ("token", [2.0, 0.5, 0.0]),                                  # min(r_t, 2)
-    ("sequence", [1.5, 1.5, 0.0]),                               # min(3 · .5, 2)
-    ("geometric", [math.sqrt(1.5), math.sqrt(1.5), 0.0]),         # min(√(3 · .5), 2)
-])
+@pytest.mark.parametrize(
+    "level, expected",
+    [
+        ("token", [2.0, 0.5, 0.0]),  # min(r_t, 2)
+        ("sequence", [1.5, 1.5, 0.0]),  # min(3 · .5, 2)
+        ("geometric", [math.sqrt(1.5), math.sqrt(1.5), 0.0]),  # min(√(3 · .5), 2)
+    ],
+)
 def test_truncated_is_weights_hand_computed(level, expected):
     weights, _ = truncated_is_weights(TRAIN, ROLLOUT, MASK, cap=2.0, level=level)
     torch.testing.assert_close(weights, torch.tensor([expected], dtype=torch.float64))

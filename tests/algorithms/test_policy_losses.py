@@ -1,4 +1,5 @@
 """Policy losses, value loss and entropy: hand-computed values and gradients, and properties."""
+
 import math
 
 import pytest
@@ -8,7 +9,11 @@ from hypothesis import strategies as st
 
 from megarl.algorithms.aggregation import LossAggregation
 from megarl.algorithms.policy_loss import (
-    PolicyLossConfig, PolicyLossInputs, entropy_bonus, entropy_from_logits, get_policy_loss,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    entropy_bonus,
+    entropy_from_logits,
+    get_policy_loss,
 )
 from megarl.algorithms.value_loss import ValueLossConfig, ValueLossInputs, value_loss
 
@@ -58,6 +63,7 @@ def random_inputs(seed, B, T, dtype=torch.float64):
 
 # ---- ppo_clip ----------------------------------------------------------------------------------
 
+
 def test_ppo_clip_asymmetric_hand_computed_loss_grad_and_stats():
     # r = [1.5, .5, 1.1, .5], A = [1, 1, −1, −1], clip to [.8, 1.28]:
     # losses [−1.28 (clipped), −.5, 1.1, .8 (clipped)]; grad −A·r/4 where unclipped
@@ -86,8 +92,13 @@ def test_dual_clip_must_exceed_one():
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(1, 5), T=st.integers(1, 20),
-       high=st.sampled_from([0.2, 0.28]), clip_c=st.sampled_from([None, 3.0]))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(1, 5),
+    T=st.integers(1, 20),
+    high=st.sampled_from([0.2, 0.28]),
+    clip_c=st.sampled_from([None, 3.0]),
+)
 def test_ppo_clip_matches_unfused_reference_values_and_grads(seed, B, T, high, clip_c):
     log_probs, old, adv, mask = random_inputs(seed, B, T)
     log_probs.requires_grad_(True)
@@ -99,6 +110,7 @@ def test_ppo_clip_matches_unfused_reference_values_and_grads(seed, B, T, high, c
 
 
 # ---- gspo / cispo ------------------------------------------------------------------------------
+
 
 def test_gspo_hand_computed_sequence_ratio_and_clip():
     # log r = [.2, −.4] in both rows → s = exp(−.1) ≈ .905; ε = .05 → clip(s) = .95
@@ -144,6 +156,7 @@ def test_cispo_keeps_gradient_on_tokens_ppo_would_clip():
 
 # ---- properties shared by every policy loss ----------------------------------------------------
 
+
 def garbage_pad(x, mask, extra, seed):
     """x [B, T] → [B, T + extra] with NaN/inf/huge values wherever `mask` (padded) is 0."""
     gen = torch.Generator().manual_seed(seed)
@@ -155,8 +168,14 @@ def garbage_pad(x, mask, extra, seed):
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(1, 5), T=st.integers(1, 12), extra=st.integers(0, 5),
-       name=st.sampled_from(LOSSES), mode=st.sampled_from(MODES))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(1, 5),
+    T=st.integers(1, 12),
+    extra=st.integers(0, 5),
+    name=st.sampled_from(LOSSES),
+    mode=st.sampled_from(MODES),
+)
 def test_padding_with_garbage_changes_neither_loss_nor_grad(seed, B, T, extra, name, mode):
     log_probs, old, adv, mask = random_inputs(seed, B, T)
     cfg = PolicyLossConfig(clip_ratio_c=3.0)
@@ -167,8 +186,13 @@ def test_padding_with_garbage_changes_neither_loss_nor_grad(seed, B, T, extra, n
 
     mask_p = torch.nn.functional.pad(mask, (0, extra))
     lp_p = garbage_pad(log_probs, mask_p, extra, seed).requires_grad_(True)
-    padded = PolicyLossInputs(lp_p, garbage_pad(old, mask_p, extra, seed + 1), garbage_pad(adv, mask_p, extra, seed + 2),
-                              mask_p, is_weights=garbage_pad(torch.ones_like(adv), mask_p, extra, seed + 3))
+    padded = PolicyLossInputs(
+        lp_p,
+        garbage_pad(old, mask_p, extra, seed + 1),
+        garbage_pad(adv, mask_p, extra, seed + 2),
+        mask_p,
+        is_weights=garbage_pad(torch.ones_like(adv), mask_p, extra, seed + 3),
+    )
     loss_p, stats = get_policy_loss(name)(padded, cfg, agg)
     (grad_p,) = torch.autograd.grad(loss_p, lp_p)
     torch.testing.assert_close(loss_p, loss)
@@ -178,8 +202,14 @@ def test_padding_with_garbage_changes_neither_loss_nor_grad(seed, B, T, extra, n
 
 
 @FAST
-@given(seed=st.integers(0, 2**31), B=st.integers(2, 8), T=st.integers(1, 8), cut=st.integers(1, 7),
-       name=st.sampled_from(LOSSES), mode=st.sampled_from(MODES))
+@given(
+    seed=st.integers(0, 2**31),
+    B=st.integers(2, 8),
+    T=st.integers(1, 8),
+    cut=st.integers(1, 7),
+    name=st.sampled_from(LOSSES),
+    mode=st.sampled_from(MODES),
+)
 def test_micro_batch_losses_and_grads_sum_to_full_batch(seed, B, T, cut, name, mode):
     log_probs, old, adv, mask = random_inputs(seed, B, T)
     agg = LossAggregation.for_batch(mode, mask, max_response_len=T)
@@ -188,8 +218,7 @@ def test_micro_batch_losses_and_grads_sum_to_full_batch(seed, B, T, cut, name, m
     full, _ = fn(PolicyLossInputs(lp, old, adv, mask), cfg, agg)
     (full_grad,) = torch.autograd.grad(full, lp)
     cut = min(cut, B - 1)
-    parts = [fn(PolicyLossInputs(lp[s], old[s], adv[s], mask[s]), cfg, agg)[0]
-             for s in (slice(0, cut), slice(cut, B))]
+    parts = [fn(PolicyLossInputs(lp[s], old[s], adv[s], mask[s]), cfg, agg)[0] for s in (slice(0, cut), slice(cut, B))]
     (part_grad,) = torch.autograd.grad(sum(parts), lp)
     assert abs(sum(parts).item() - full.item()) <= 1e-6
     torch.testing.assert_close(part_grad, full_grad, atol=1e-6, rtol=0)
@@ -199,11 +228,15 @@ def test_is_weights_scale_the_per_token_loss():
     log_probs, old, adv, mask = random_inputs(0, 2, 4)
     plain, _ = get_policy_loss("ppo_clip")(PolicyLossInputs(log_probs, old, adv, mask), PolicyLossConfig(), TOKEN_MEAN)
     halved, _ = get_policy_loss("ppo_clip")(
-        PolicyLossInputs(log_probs, old, adv, mask, is_weights=torch.full_like(adv, 0.5)), PolicyLossConfig(), TOKEN_MEAN)
+        PolicyLossInputs(log_probs, old, adv, mask, is_weights=torch.full_like(adv, 0.5)),
+        PolicyLossConfig(),
+        TOKEN_MEAN,
+    )
     torch.testing.assert_close(halved, plain / 2)
 
 
 # ---- value loss and entropy --------------------------------------------------------------------
+
 
 def test_value_loss_clipped_hand_computed():
     # t0: (1 − 2)² = 1 vs clipped V = .5 + .2 = .7 → 1.69 (clipped branch, no grad)
@@ -218,16 +251,22 @@ def test_value_loss_clipped_hand_computed():
 
 def test_value_loss_without_clip_is_half_squared_error():
     values = t([[1.0, 2.0]])
-    loss, _ = value_loss(ValueLossInputs(values, values * 0, t([[0.0, 0.0]]), t([[1, 1]])),
-                         ValueLossConfig(value_clip=None), TOKEN_MEAN)
+    loss, _ = value_loss(
+        ValueLossInputs(values, values * 0, t([[0.0, 0.0]]), t([[1, 1]])), ValueLossConfig(value_clip=None), TOKEN_MEAN
+    )
     assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
 
 
 def test_value_loss_ignores_garbage_padding():
     mask = t([[1, 0]])
-    clean = value_loss(ValueLossInputs(t([[1.0, 0]]), t([[0.9, 0]]), t([[2.0, 0]]), mask), ValueLossConfig(), TOKEN_MEAN)
-    dirty = value_loss(ValueLossInputs(t([[1.0, math.nan]]), t([[0.9, math.inf]]), t([[2.0, -1e9]]), mask),
-                       ValueLossConfig(), TOKEN_MEAN)
+    clean = value_loss(
+        ValueLossInputs(t([[1.0, 0]]), t([[0.9, 0]]), t([[2.0, 0]]), mask), ValueLossConfig(), TOKEN_MEAN
+    )
+    dirty = value_loss(
+        ValueLossInputs(t([[1.0, math.nan]]), t([[0.9, math.inf]]), t([[2.0, -1e9]]), mask),
+        ValueLossConfig(),
+        TOKEN_MEAN,
+    )
     torch.testing.assert_close(dirty[0], clean[0])
 
 
@@ -245,6 +284,7 @@ def test_entropy_bonus_is_negative_coef_times_aggregated_entropy():
 
 
 # ---- decoupled PPO (asynchronous training) -------------------------------------------------------
+
 
 def _decoupled(ratios, advantages, behaviour_shift, cfg=None, mask=None):
     """Loss and grad with π/π_prox = ratios and log π_prox − log π_behav = behaviour_shift."""
@@ -280,8 +320,9 @@ def test_decoupled_ppo_weights_each_token_by_the_truncated_proximal_behaviour_ra
     assert float(loss) == pytest.approx(expected)
     assert grad[0].tolist() == pytest.approx([-w[0] / 3, 2.0 * w[1] / 3, -w[2] / 3])  # d(−A·w·r)/dlogπ = −A·w·r
     assert float(stats["behaviour_clipfrac"]) == pytest.approx(1 / 3)
-    masked, stats, _ = _decoupled([[1.0, 1.0, 1.0]], [[1.0, -2.0, 1.0]], [[0.5, -1.0, 3.0]],
-                                  cfg=PolicyLossConfig(behaviour_weight_mode="mask"))
+    masked, stats, _ = _decoupled(
+        [[1.0, 1.0, 1.0]], [[1.0, -2.0, 1.0]], [[0.5, -1.0, 3.0]], cfg=PolicyLossConfig(behaviour_weight_mode="mask")
+    )
     assert float(masked) == pytest.approx((-1.0 * w[0] + 2.0 * w[1]) / 3)  # the over-cap token dropped
 
 

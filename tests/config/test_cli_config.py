@@ -1,4 +1,5 @@
 """`megarl config CONFIG.yaml [overrides...]`: prints the resolved YAML, validates; bad input -> one line, exit 2."""
+
 from pathlib import Path
 
 import yaml

@@ -1,5 +1,6 @@
 """OmegaConf loading: `${...}` interpolation (sections, unwritten defaults, env), dot-list overrides,
 bad interpolations as ConfigError naming the field, and the resolved config written without `${`."""
+
 import pytest
 
 from megarl.config import ConfigError, load_config, parse_override, save_resolved
@@ -16,7 +17,8 @@ def chain(tmp_path):
         "  run_dir: ${oc.env:MEGARL_TEST_ROOT,/scratch}/${trainer.experiment}\n"
         "  total_steps: ${oc.env:MEGARL_TEST_STEPS,5}\n"
         "critic: {optim: {lr: '${actor.optim.lr}'}}\n"
-        "actor: {prompts_per_update: '${trainer.prompts_per_step}'}\n")
+        "actor: {prompts_per_update: '${trainer.prompts_per_step}'}\n"
+    )
     return tmp_path / "child.yaml"
 
 
@@ -37,14 +39,19 @@ def test_yaml_interpolates_sections_unwritten_defaults_and_env(chain, monkeypatc
 
 def test_dotlist_overrides_nested_lists_null_and_interpolations(tmp_path):
     (tmp_path / "run.yaml").write_text("rollout: {max_model_len: 1024}\nmodel: {hf_path: /m/base}\n")
-    cfg = load_config(tmp_path / "run.yaml", [
-        "actor.optim.lr=2e-6", "actor.layout.tp=2",  # nested
-        "data.files=[a.parquet,b.parquet]",  # a list replaces
-        "rollout.max_model_len=null",  # null clears a file's value
-        "ref.hf_path=${model.hf_path}", "model.hf_path=/m/sft",  # interpolation resolved after later overrides
-        "validation.files=${data.files}",  # to a list
-        "critic.optim=${actor.optim}",  # to a whole section
-    ])
+    cfg = load_config(
+        tmp_path / "run.yaml",
+        [
+            "actor.optim.lr=2e-6",
+            "actor.layout.tp=2",  # nested
+            "data.files=[a.parquet,b.parquet]",  # a list replaces
+            "rollout.max_model_len=null",  # null clears a file's value
+            "ref.hf_path=${model.hf_path}",
+            "model.hf_path=/m/sft",  # interpolation resolved after later overrides
+            "validation.files=${data.files}",  # to a list
+            "critic.optim=${actor.optim}",  # to a whole section
+        ],
+    )
     assert (cfg.actor.optim.lr, cfg.actor.layout.tp, cfg.actor.layout.pp) == (2e-6, 2, 1)
     assert cfg.data.files == ["a.parquet", "b.parquet"] and cfg.validation.files == cfg.data.files
     assert cfg.rollout.max_model_len is None
@@ -53,19 +60,28 @@ def test_dotlist_overrides_nested_lists_null_and_interpolations(tmp_path):
     assert parse_override("ref.hf_path=${model.hf_path}") == {"ref": {"hf_path": "${model.hf_path}"}}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["critic.optim.lr=${actor.optim.lrr}"],
-     r"critic\.optim\.lr: cannot resolve '\$\{actor\.optim\.lrr\}': Interpolation key 'actor\.optim\.lrr' not found; "
-     r"did you mean \$\{actor\.optim\.lr\}\?"),
-    (["trainer.seed=${trainer.total_steps}", "trainer.total_steps=${trainer.seed}"],
-     r"trainer\.(seed|total_steps): cannot resolve .*Recursive interpolation"),
-    (["trainer.run_dir=${oc.env:MEGARL_SURELY_UNSET_VAR}"],
-     r"trainer\.run_dir: .*Environment variable 'MEGARL_SURELY_UNSET_VAR' not found"),
-    (["trainer.total_steps=${trainer.run_dir}"], r"trainer\.total_steps: expected int, got str 'runs/megarl'"),
-    (["trainer.seed=${trainer.total_steps"], r"override 'trainer\.seed=.*': trainer\.seed: .*"),
-    (["model.hf_path=???"], r"model\.hf_path is \?\?\? \(mandatory\)"),
-    (["data.files=[${model.hf_path}]"], r"not valid YAML .*quote an interpolation"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["critic.optim.lr=${actor.optim.lrr}"],
+            r"critic\.optim\.lr: cannot resolve '\$\{actor\.optim\.lrr\}': Interpolation key 'actor\.optim\.lrr' not found; "
+            r"did you mean \$\{actor\.optim\.lr\}\?",
+        ),
+        (
+            ["trainer.seed=${trainer.total_steps}", "trainer.total_steps=${trainer.seed}"],
+            r"trainer\.(seed|total_steps): cannot resolve .*Recursive interpolation",
+        ),
+        (
+            ["trainer.run_dir=${oc.env:MEGARL_SURELY_UNSET_VAR}"],
+            r"trainer\.run_dir: .*Environment variable 'MEGARL_SURELY_UNSET_VAR' not found",
+        ),
+        (["trainer.total_steps=${trainer.run_dir}"], r"trainer\.total_steps: expected int, got str 'runs/megarl'"),
+        (["trainer.seed=${trainer.total_steps"], r"override 'trainer\.seed=.*': trainer\.seed: .*"),
+        (["model.hf_path=???"], r"model\.hf_path is \?\?\? \(mandatory\)"),
+        (["data.files=[${model.hf_path}]"], r"not valid YAML .*quote an interpolation"),
+    ],
+)
 def test_bad_interpolations_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)

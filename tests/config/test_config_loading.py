@@ -1,11 +1,19 @@
 """Typed config loading: defaults in code <- YAML (with `defaults:` chains) <- dotted overrides."""
+
 import dataclasses
 import typing
 
 import pytest
 
 from megarl.config import (
-    ConfigError, RunConfig, build, field_docs, load_config, parse_override, save_resolved, to_dict,
+    ConfigError,
+    RunConfig,
+    build,
+    field_docs,
+    load_config,
+    parse_override,
+    save_resolved,
+    to_dict,
 )
 
 
@@ -38,7 +46,9 @@ def test_defaults_load_with_no_files():
 def test_yaml_chain_then_overrides_win(tmp_path):
     (tmp_path / "base.yaml").write_text("trainer: {prompts_per_step: 16, seed: 1}\nactor: {layout: {tp: 2}}\n")
     (tmp_path / "child.yaml").write_text("defaults: base.yaml\ntrainer: {seed: 2}\nactor: {optim: {lr: 3.0e-6}}\n")
-    cfg = load_config(tmp_path / "child.yaml", ["trainer.seed=3", "actor.optim.lr=1e-6", "data.files=[a.parquet, b.parquet]"])
+    cfg = load_config(
+        tmp_path / "child.yaml", ["trainer.seed=3", "actor.optim.lr=1e-6", "data.files=[a.parquet, b.parquet]"]
+    )
     assert cfg.trainer.prompts_per_step == 16  # from base
     assert cfg.actor.layout.tp == 2  # base mapping merged key by key
     assert cfg.trainer.seed == 3  # override beats child beats base
@@ -56,15 +66,18 @@ def test_unknown_key_names_the_closest_field():
         build(RunConfig, {"algorithms": {}})
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor.layout.tp=two", r"actor\.layout\.tp: expected int, got str 'two'"),
-    ("trainer.total_steps=1.5", r"trainer\.total_steps: expected int, got float"),
-    ("critic.enabled=3", r"critic\.enabled: expected bool, got int"),
-    ("data.files=a.parquet", r"data\.files: expected a list"),
-    ("resources.pools={main: x}", r"resources\.pools\.main: expected int"),
-    ("actor.optim.lr=fast", r"actor\.optim\.lr: expected float"),
-    ("actor=3", r"actor must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.layout.tp=two", r"actor\.layout\.tp: expected int, got str 'two'"),
+        ("trainer.total_steps=1.5", r"trainer\.total_steps: expected int, got float"),
+        ("critic.enabled=3", r"critic\.enabled: expected bool, got int"),
+        ("data.files=a.parquet", r"data\.files: expected a list"),
+        ("resources.pools={main: x}", r"resources\.pools\.main: expected int"),
+        ("actor.optim.lr=fast", r"actor\.optim\.lr: expected float"),
+        ("actor=3", r"actor must be a mapping"),
+    ],
+)
 def test_wrong_types_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[override])
@@ -92,7 +105,9 @@ def test_bad_override_syntax_and_files(tmp_path):
 
 
 def test_save_resolved_round_trips(tmp_path):
-    cfg = load_config("configs/ppo_quickstart.yaml", ["actor.optim.lr=2e-5", "actor.optim.min_lr=2e-6", "resources.pools={main: 2}"])
+    cfg = load_config(
+        "configs/ppo_quickstart.yaml", ["actor.optim.lr=2e-5", "actor.optim.min_lr=2e-6", "resources.pools={main: 2}"]
+    )
     path = save_resolved(cfg, tmp_path / "run")
     assert path.name == "config.yaml" and path.read_text().startswith("# megarl resolved config")
     again = load_config(path)

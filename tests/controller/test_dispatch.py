@@ -1,10 +1,17 @@
 """Rank meshes, DP splitting and result collection, pool bundles: pure logic, no Ray."""
+
 import pytest
 import torch
 
 from megarl.config import load_config
 from megarl.controller import (
-    DPSplit, RankMesh, ResourcePool, local_ray_resources, plan_placement, pools_from_config, role_mesh,
+    DPSplit,
+    RankMesh,
+    ResourcePool,
+    local_ray_resources,
+    plan_placement,
+    pools_from_config,
+    role_mesh,
 )
 from megarl.data.batch import Batch
 from megarl.models.layout import ParallelLayout
@@ -46,8 +53,10 @@ def _batch(lengths):
     mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for i, n in enumerate(lengths):
         mask[i, :n] = 1
-    return Batch.from_dict({"attention_mask": mask, "row": torch.arange(len(lengths))},
-                           {"uid": [f"g{i // 2}" for i in range(len(lengths))]})
+    return Batch.from_dict(
+        {"attention_mask": mask, "row": torch.arange(len(lengths))},
+        {"uid": [f"g{i // 2}" for i in range(len(lengths))]},
+    )
 
 
 def test_dp_split_balances_tokens_and_restores_row_order():
@@ -83,8 +92,9 @@ def test_pool_bundles_slots_and_pools_from_config():
     assert ResourcePool([2], use_gpu=False).bundles() == [{"CPU": 2.0}]
     with pytest.raises(ValueError, match="cpus_per_worker > 0"):
         ResourcePool([2], use_gpu=False, cpus_per_worker=0)
-    cfg = load_config(overrides=["resources.nodes=3", "resources.gpus_per_node=8",
-                                 "resources.pools={main: 16, rollout: 8}"])
+    cfg = load_config(
+        overrides=["resources.nodes=3", "resources.gpus_per_node=8", "resources.pools={main: 16, rollout: 8}"]
+    )
     pools = pools_from_config(cfg)
     assert pools["main"].bundle_sizes == [8, 8] and pools["rollout"].bundle_sizes == [8]
     cpu = pools_from_config(load_config("configs/grpo_quickstart.yaml"))["main"]
@@ -97,7 +107,9 @@ def test_placement_plan_colocates_roles_and_puts_a_server_rollout_on_its_pool():
     assert role_mesh(ppo, "critic").dp_size == 2 and role_mesh(ppo, "actor").collect_ranks() == [0]
     with pytest.raises(ValueError, match="role 'reward_model' is not active"):
         role_mesh(ppo, "reward_model")
-    split = load_config("configs/qwen2.5-7b_grpo_gsm8k.yaml", [
-        "resources.nodes=2", "resources.pools={main: 8, gen: 8}", "rollout.mode=server", "rollout.pool=gen"])
+    split = load_config(
+        "configs/qwen2.5-7b_grpo_gsm8k.yaml",
+        ["resources.nodes=2", "resources.pools={main: 8, gen: 8}", "rollout.mode=server", "rollout.pool=gen"],
+    )
     assert plan_placement(split) == {"main": ["actor", "ref"], "gen": ["rollout"]}
     assert local_ray_resources(load_config("configs/grpo_quickstart.yaml"))["num_gpus"] == 0

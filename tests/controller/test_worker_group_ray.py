@@ -1,5 +1,6 @@
 """Worker groups on a real local Ray with fake GPUs: placement, rendezvous env, colocated roles,
 DP dispatch/collect, typed role handles, separate pools, errors. One Ray session for the module (start ~3 s)."""
+
 import contextlib
 import os
 import sys
@@ -24,13 +25,19 @@ class EchoRole:
         self.rank = int(os.environ["RANK"])  # the rendezvous env is set before roles are built
 
     def where(self) -> dict:
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "CUDA_VISIBLE_DEVICES")
+        keys = (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES",
+        )
         return {"pid": os.getpid(), "gpu": [str(g) for g in ray.get_gpu_ids()], **{k: os.environ.get(k) for k in keys}}
 
     def forward(self, batch: Batch) -> Batch:
-        return Batch.from_dict({"out": batch["row"] * self.scale,
-                                "rank": torch.full((len(batch),), self.rank)})
+        return Batch.from_dict({"out": batch["row"] * self.scale, "rank": torch.full((len(batch),), self.rank)})
 
     def all_reduce_ranks(self) -> int:
         import torch.distributed as dist
@@ -121,8 +128,11 @@ def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group)
     assert set(out["rank"].tolist()) == {0, 2}  # TP rank 0 of each DP shard
     pp_mesh = RankMesh(ParallelLayout(pp=2), 4)  # dp = 2 over ranks (0, 2) / (1, 3); last stage 2, 3
     assert set(group.collect(group.dispatch("actor.forward", batch, pp_mesh))["rank"].tolist()) == {2, 3}
-    with pytest.raises(WorkerError, match=r"group 'main' rank 0: ValueError: rank 0 refuses"
-                                          r" \(also failed: ranks \[1, 2, 3\]\)"):
+    with pytest.raises(
+        WorkerError,
+        match=r"group 'main' rank 0: ValueError: rank 0 refuses"
+        r" \(also failed: ranks \[1, 2, 3\]\)",
+    ):
         group.get(group.execute_all("actor.fail"))
     with pytest.raises(WorkerError, match="rank 0: ValueError: 'reward.forward': no role 'reward' in this worker"):
         group.get([group.execute_rank0("reward.forward", batch)])
@@ -135,13 +145,13 @@ def test_typed_handles_call_role_methods_as_their_remote_mark_says(group):
     handle = role_handle(group, "handled", HandledRole, RankMesh(ParallelLayout(tp=2), 4))  # dp 2
     batch = Batch.from_dict({"row": torch.arange(8), "attention_mask": torch.ones(8, 2, dtype=torch.long)})
     out = handle.scaled(batch)
-    assert torch.equal(out["out"], torch.arange(8) * 3)        # rows split over DP, merged in input order
-    assert out["inside"].tolist() == [1] * 8                    # ran inside the role's boundary, once
-    assert handle.metrics(batch) == {"rank": 0, "rows": 4}     # one collecting rank's result
-    assert handle.rank_of() == 0                                # every rank called, rank 0 answers
+    assert torch.equal(out["out"], torch.arange(8) * 3)  # rows split over DP, merged in input order
+    assert out["inside"].tolist() == [1] * 8  # ran inside the role's boundary, once
+    assert handle.metrics(batch) == {"rank": 0, "rows": 4}  # one collecting rank's result
+    assert handle.rank_of() == 0  # every rank called, rank 0 answers
     assert handle.scaled.__doc__ == HandledRole.scaled.__doc__  # the handle's method is the role's
     with pytest.raises(AttributeError, match=r"HandledRole.not_remote is not a remote method .* \['metrics', "):
-        handle.not_remote
+        _ = handle.not_remote
 
 
 def test_separate_gpu_and_cpu_pools_and_a_pool_larger_than_the_cluster(ray_session, group):
@@ -155,7 +165,11 @@ def test_separate_gpu_and_cpu_pools_and_a_pool_larger_than_the_cluster(ray_sessi
         gpus_r = {g for w in ray.get(rollouts.execute_all("rollout.where")) for g in w["gpu"]}
         assert len(gpus_a) == 1 and not gpus_r  # the CPU pool's worker holds no GPU
         rollout_env = ray.get(rollouts.execute_rank0("rollout.where"))
-        assert (rollout_env["RANK"], rollout_env["WORLD_SIZE"], rollout_env["LOCAL_RANK"]) == ("0", "1", "0")  # own world
+        assert (rollout_env["RANK"], rollout_env["WORLD_SIZE"], rollout_env["LOCAL_RANK"]) == (
+            "0",
+            "1",
+            "0",
+        )  # own world
     finally:
         actors.shutdown()
         rollouts.shutdown()

@@ -1,4 +1,5 @@
 """Balancing rows across DP ranks and packing micro-batches by a token budget."""
+
 import warnings
 
 import numpy as np
@@ -75,8 +76,12 @@ def test_fewer_units_than_ranks_raises_naming_the_fix():
 
 
 @FAST
-@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=80), num_ranks=st.integers(1, 8),
-       group_size=st.integers(1, 4), keep_groups=st.booleans())
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=80),
+    num_ranks=st.integers(1, 8),
+    group_size=st.integers(1, 4),
+    keep_groups=st.booleans(),
+)
 def test_every_row_assigned_exactly_once_and_unit_counts_within_one(lengths, num_ranks, group_size, keep_groups):
     group_ids = [i // group_size for i in range(len(lengths))]
     num_units = len(set(group_ids)) if keep_groups else len(lengths)

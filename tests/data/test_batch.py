@@ -1,4 +1,5 @@
 """Batch: construction checks, row/column operations, mismatch messages, pickling."""
+
 import pickle
 
 import numpy as np
@@ -10,8 +11,10 @@ from megarl.data.batch import Batch
 
 def make_batch(rows=4, offset=0):
     return Batch.from_dict(
-        {"input_ids": torch.arange(rows * 3).reshape(rows, 3) + offset,
-         "scores": torch.arange(rows, dtype=torch.float32) + offset},
+        {
+            "input_ids": torch.arange(rows * 3).reshape(rows, 3) + offset,
+            "scores": torch.arange(rows, dtype=torch.float32) + offset,
+        },
         {"uid": [f"p{i + offset}" for i in range(rows)]},
         meta={"step": 7},
     )
@@ -221,11 +224,15 @@ def test_pickle_of_read_only_buffers_gives_writable_tensors():
 
 # ---- the typed schema (megarl.data.schema) ------------------------------------------------------
 
+
 def _rollout_batch():
     from megarl.data.schema import ROLLOUT
 
-    return Batch.from_dict({"input_ids": torch.ones(4, 6, dtype=torch.long), "response_mask": torch.ones(4, 3, dtype=torch.long)},
-                           {"uid": ["a", "a", "b", "b"]}, schema=ROLLOUT)
+    return Batch.from_dict(
+        {"input_ids": torch.ones(4, 6, dtype=torch.long), "response_mask": torch.ones(4, 3, dtype=torch.long)},
+        {"uid": ["a", "a", "b", "b"]},
+        schema=ROLLOUT,
+    )
 
 
 def test_a_rollout_batch_refuses_an_undeclared_column_naming_the_closest():
@@ -249,8 +256,14 @@ def test_a_rollout_batch_refuses_a_column_of_the_wrong_kind_or_rank():
 
 def test_rows_unions_concats_and_pickles_keep_the_schema():
     batch = _rollout_batch()
-    derived = [batch[1:3], batch.select("uid"), batch.repeat(2), Batch.concat([batch, batch]),
-               batch.union(Batch.from_dict({"old_log_probs": torch.zeros(4, 3)})), pickle.loads(pickle.dumps(batch))]
+    derived = [
+        batch[1:3],
+        batch.select("uid"),
+        batch.repeat(2),
+        Batch.concat([batch, batch]),
+        batch.union(Batch.from_dict({"old_log_probs": torch.zeros(4, 3)})),
+        pickle.loads(pickle.dumps(batch)),
+    ]
     for other in derived:
         assert other.schema is not None and other.schema.name == "rollout"
         with pytest.raises(KeyError):

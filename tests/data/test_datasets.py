@@ -20,8 +20,12 @@ def tokenizer():
 
 def _rows(n=10, prefix="q"):
     return [
-        {"prompt": [{"role": "user", "content": f"{prefix}{i}"}], "ground_truth": str(i), "data_source": "arithmetic",
-         "extra_info": {"index": i}}
+        {
+            "prompt": [{"role": "user", "content": f"{prefix}{i}"}],
+            "ground_truth": str(i),
+            "data_source": "arithmetic",
+            "extra_info": {"index": i},
+        }
         for i in range(n)
     ]
 
@@ -44,7 +48,9 @@ def test_tiny_tokenizer_is_char_level_with_chatml_and_small_vocab(tokenizer):
     assert tokenizer.pad_token == "<pad>" and tokenizer.eos_token == "<|im_end|>"
     ids = tokenizer("12+3= ab", add_special_tokens=False)["input_ids"]
     assert len(ids) == 8 and tokenizer.decode(ids) == "12+3= ab"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -65,8 +71,9 @@ def test_tiny_tokenizer_beside_a_qwen2_model_keeps_spaces_and_newlines(tmp_path)
     from megarl.testing.models import save_tiny_hf_model
 
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model("qwen2", tmp_path, vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok)
+    save_tiny_hf_model(
+        "qwen2", tmp_path, vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2, tokenizer=tok
+    )
     loaded = load_tokenizer(str(tmp_path))
     text = '<tool_call>\n{"name": "calculator"}\n</tool_call>'
     assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
@@ -77,14 +84,23 @@ def test_tiny_tokenizer_beside_a_qwen2_model_keeps_spaces_and_newlines(tmp_path)
 def test_compact_tools_template_lists_tool_names_and_renders_calls_and_results():
     tok = build_tiny_tokenizer(chat_template="compact_tools")
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
-    messages = [{"role": "user", "content": "12*34="},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]},
-                {"role": "tool", "content": "408"}]
+    messages = [
+        {"role": "user", "content": "12*34="},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
+            ],
+        },
+        {"role": "tool", "content": "408"},
+    ]
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert text == ('<|im_start|>system\nTools: calculator<|im_end|>\n<|im_start|>user\n12*34=<|im_end|>\n'
-                    '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}'
-                    '\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n')
+    assert text == (
+        "<|im_start|>system\nTools: calculator<|im_end|>\n<|im_start|>user\n12*34=<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}'
+        "\n</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    )
     with pytest.raises(ValueError, match="chat_template must be one of"):
         build_tiny_tokenizer(chat_template="nope")
 
@@ -352,8 +368,10 @@ def _script(name):
 
 
 def test_preprocess_gsm8k_writes_prompts_with_final_answer(tmp_path, tokenizer):
-    raw = [{"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
-           {"question": "Big?", "answer": "#### 1,200"}]
+    raw = [
+        {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
+        {"question": "Big?", "answer": "#### 1,200"},
+    ]
     src = _write(tmp_path, raw, "train.jsonl")
     out = _script("preprocess_gsm8k").main(["--input", src, "--out", str(tmp_path / "out")])
     assert out.endswith("train.parquet")
@@ -369,8 +387,10 @@ def test_preprocess_gsm8k_row_without_final_answer_raises_naming_row(tmp_path):
 
 
 def test_preprocess_math_takes_last_boxed_and_skips_unboxed(tmp_path, tokenizer):
-    raw = [{"problem": "Half?", "solution": r"It is $\boxed{\frac{1}{2}}$.", "level": "Level 1", "type": "Algebra"},
-           {"problem": "None?", "solution": "no box here"}]
+    raw = [
+        {"problem": "Half?", "solution": r"It is $\boxed{\frac{1}{2}}$.", "level": "Level 1", "type": "Algebra"},
+        {"problem": "None?", "solution": "no box here"},
+    ]
     src = _write(tmp_path, raw, "test.parquet")
     out = _script("preprocess_math").main(["--input", src, "--out", str(tmp_path / "out"), "--split", "eval"])
     ds = PromptDataset(DataConfig(files=[out], max_prompt_tokens=256), tokenizer)

@@ -36,10 +36,20 @@ def test_arithmetic_other_ops_and_raw_prompts():
         make_arithmetic_dataset(1, ops=("/",))
 
 
-@pytest.mark.parametrize("response,score,acc", [
-    ("7", 1.0, 1.0), (" 7\n", 1.0, 1.0), ("3+4=7", 0.9, 1.0), ("The answer is 7.", 0.9, 1.0),
-    ("8", 0.0, 0.0), ("6666", 0.0, 0.0), ("seven", 0.0, 0.0), ("7 is it? no, 8", 0.0, 0.0), ("", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "response,score,acc",
+    [
+        ("7", 1.0, 1.0),
+        (" 7\n", 1.0, 1.0),
+        ("3+4=7", 0.9, 1.0),
+        ("The answer is 7.", 0.9, 1.0),
+        ("8", 0.0, 0.0),
+        ("6666", 0.0, 0.0),
+        ("seven", 0.0, 0.0),
+        ("7 is it? no, 8", 0.0, 0.0),
+        ("", 0.0, 0.0),
+    ],
+)
 def test_arithmetic_reward_correct_incorrect_and_verbose(response, score, acc):
     out = get_reward_fn("arithmetic")(response, "7", {})
     assert out["score"] == pytest.approx(score) and out["acc"] == acc
@@ -63,18 +73,21 @@ def test_countdown_every_generated_solution_scores_one():
 TRUTH = json.dumps({"target": 24, "numbers": [4, 4, 8]})
 
 
-@pytest.mark.parametrize("response,score", [
-    ("<answer>8+4*4</answer>", 1.0),
-    ("<answer>(8 + 4*4) = 24</answer>", 1.0),
-    ("<answer>4*4+8</answer> trailing", 1.0),
-    ("<answer>8*4-4-4</answer>", 0.1),       # a number used twice
-    ("<answer>8*4-8</answer>", 0.1),         # 8 twice, 4 not at all
-    ("<answer>4*4+4</answer>", 0.1),         # wrong value, wrong numbers
-    ("<answer>8+4+4</answer>", 0.1),         # right numbers, wrong value
-    ("<answer>8/(4-4)</answer>", 0.1),       # division by zero
-    ("<answer>__import__('os')</answer>", 0.0),  # not an equation: never evaluated
-    ("I give up", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,score",
+    [
+        ("<answer>8+4*4</answer>", 1.0),
+        ("<answer>(8 + 4*4) = 24</answer>", 1.0),
+        ("<answer>4*4+8</answer> trailing", 1.0),
+        ("<answer>8*4-4-4</answer>", 0.1),  # a number used twice
+        ("<answer>8*4-8</answer>", 0.1),  # 8 twice, 4 not at all
+        ("<answer>4*4+4</answer>", 0.1),  # wrong value, wrong numbers
+        ("<answer>8+4+4</answer>", 0.1),  # right numbers, wrong value
+        ("<answer>8/(4-4)</answer>", 0.1),  # division by zero
+        ("<answer>__import__('os')</answer>", 0.0),  # not an equation: never evaluated
+        ("I give up", 0.0),
+    ],
+)
 def test_countdown_reward_checks_numbers_and_target(response, score):
     assert get_reward_fn("countdown")(response, TRUTH, {})["score"] == score
 
@@ -108,7 +121,9 @@ def test_tool_arithmetic_rows_pick_the_tool_agent_and_score_only_the_final_turn(
 
 
 def test_unknown_task_raises_listing_tasks():
-    with pytest.raises(ValueError, match=r"unknown task 'sudoku'; tasks: \['arithmetic', 'countdown', 'tool_arithmetic'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'sudoku'; tasks: \['arithmetic', 'countdown', 'tool_arithmetic'\]"
+    ):
         make_task_dataset("sudoku", 3)
 
 

@@ -1,11 +1,11 @@
 """Per-rank functions of the context-parallel tests (module level, so ranks can import them)."""
+
 from __future__ import annotations
 
 import functools
 
-import torch
-
 import engine_cases as C
+import torch
 
 HIDDEN = 16
 
@@ -73,8 +73,9 @@ def _ddp(model, groups):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, context_parallel_size=2,
-                               use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, context_parallel_size=2, use_cpu_initialization=True
+    )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return config, DistributedDataParallel(config, ddp_config, model, pg_collection=groups.pg)
 
@@ -97,8 +98,18 @@ def _cp2_update(batch, loss_config, groups):
         mb.cp = CPShard(groups.pg.cp, 2, groups.cp_rank)
         tokens, _ = mb.model_inputs()
         loss_func = functools.partial(_micro_loss, head, loss_fn, mb, groups.dp_size * len(micro_batches), store)
-        scaled, _ = forward_step_calc_loss(model, model(tokens), loss_func, config, None, False, len(micro_batches),
-                                           [], cp_group_size=groups.pg.cp.size(), is_last_stage=True)
+        scaled, _ = forward_step_calc_loss(
+            model,
+            model(tokens),
+            loss_func,
+            config,
+            None,
+            False,
+            len(micro_batches),
+            [],
+            cp_group_size=groups.pg.cp.size(),
+            is_last_stage=True,
+        )
         scaled.backward()
         with torch.no_grad():
             log_probs[torch.as_tensor(mb.rows)] = head(model(tokens), mb)["log_probs"]
@@ -155,16 +166,26 @@ class GatherKVAttention(torch.nn.Module):
     K and V are all-gathered over the CP group; this rank's queries sit at the zigzag positions
     `cp_columns(S, cp, rank)` and attend causally to every key at or before them."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         tp = pg_collection.tp.size()
         self.cp_group, self.heads = pg_collection.cp, config.num_attention_heads // tp
         self.kv_heads = config.num_query_groups // tp
-        self.scale = softmax_scale or config.kv_channels ** -0.5
+        self.scale = softmax_scale or config.kv_channels**-0.5
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         from megarl.engine.context import cp_columns
 
         key, value = (_GatherSeqFromCP.apply(x, self.cp_group) for x in (key, value))
@@ -197,8 +218,8 @@ def install_cpu_cp_attention():
 
 def cp_engine_rank(scenarios, hf_path, root):
     """With the CPU CP attention: `engine_cases.updates_rank`, cp=2 log-probs, a cp=2 → cp=1 checkpoint."""
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     install_cpu_cp_attention()
     updates = C.updates_rank(scenarios)
@@ -209,8 +230,8 @@ def cp_engine_rank(scenarios, hf_path, root):
 def cp_checkpoint(hf_path, root):
     """Train a step at CP=2 and save; resume at CP=1 (DP=2) and at CP=2: (weights loaded equal the saved
     ones, and after one more step each: losses, grad norms, max weight difference (optimizer state))."""
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     batch = C.padded_batch()
     actor = Actor(C.build(hf_path, ParallelLayout(cp=2), optim=C.adam(), micro_batch_tokens=30))
@@ -234,14 +255,19 @@ def gpu_batch():
 
 def gpu_update_rank(hf_path, layout, micro_batch_tokens, loss=None):
     """bf16 (TE's CP attention has no fp32 kernel): log-probs, then one linear-Adam actor update; all on CPU."""
-    from megarl.workers import Actor, ActorLossConfig
-
     from megarl.engine.config import OptimConfig
+    from megarl.workers import Actor, ActorLossConfig
 
     # Linear Adam (engine_cases.linear_adam) with lr = 100·ε: each weight moves by ≈ −100·g, far above the
     # bf16 rounding of the weight itself, so bf16 deltas still resolve every gradient.
-    engine = C.build(hf_path, layout, first=True, optim=OptimConfig(lr=1e6, adam_eps=1e4, clip_grad=1e9),
-                     micro_batch_tokens=micro_batch_tokens, dtype="bfloat16")
+    engine = C.build(
+        hf_path,
+        layout,
+        first=True,
+        optim=OptimConfig(lr=1e6, adam_eps=1e4, clip_grad=1e9),
+        micro_batch_tokens=micro_batch_tokens,
+        dtype="bfloat16",
+    )
     actor, batch = Actor(engine, loss or ActorLossConfig()), gpu_batch()
     log_probs = actor.compute_log_probs(batch)["old_log_probs"].float().cpu()
     before = {name: tensor.float().cpu() for name, tensor in engine.hf_weights()}

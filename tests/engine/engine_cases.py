@@ -1,4 +1,5 @@
 """Shared inputs and per-rank functions of the engine tests (module level, so ranks can import them)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,15 +19,19 @@ def padded_batch(rows: int = 8, prompt: int = 6, response: int = 6, seed: int = 
     for r in range(rows):
         p = 1 + (r * 5) % prompt
         t = 1 + (r * 3) % response
-        mask[r, prompt - p:prompt + t] = 1
+        mask[r, prompt - p : prompt + t] = 1
         response_mask[r, :t] = 1
     ids = ids * mask
-    tensors = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
-               "old_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
-               "advantages": torch.randn(rows, response, generator=gen),
-               "ref_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
-               "values": 0.1 * torch.randn(rows, response, generator=gen),
-               "returns": torch.randn(rows, response, generator=gen)}
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "response_mask": response_mask,
+        "old_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
+        "advantages": torch.randn(rows, response, generator=gen),
+        "ref_log_probs": -3.0 + 0.1 * torch.randn(rows, response, generator=gen),
+        "values": 0.1 * torch.randn(rows, response, generator=gen),
+        "returns": torch.randn(rows, response, generator=gen),
+    }
     return Batch(tensors)
 
 
@@ -51,8 +56,9 @@ def hf_log_probs(hf_path, batch: Batch) -> torch.Tensor:
     return out
 
 
-def build(hf_path, layout, *, first: bool = False, value_head: bool = False, optim=None, micro_batch_tokens=1000,
-          **config):
+def build(
+    hf_path, layout, *, first: bool = False, value_head: bool = False, optim=None, micro_batch_tokens=1000, **config
+):
     """Role groups (collective) + engine at `layout`; `first` also initialises megatron's global state."""
     from megarl.engine.config import EngineConfig
     from megarl.engine.engine import MegatronEngine
@@ -90,8 +96,15 @@ def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, critic=Fal
     """One actor (or critic) update at `layout`: (loss, grad norm, micro-batches, HF-named deltas on TP rank 0)."""
     from megarl.workers import Actor, ActorLossConfig, Critic
 
-    engine = build(hf_path, layout, first=first, optim=linear_adam(), micro_batch_tokens=micro_batch_tokens,
-                   value_head=critic, **config)
+    engine = build(
+        hf_path,
+        layout,
+        first=first,
+        optim=linear_adam(),
+        micro_batch_tokens=micro_batch_tokens,
+        value_head=critic,
+        **config,
+    )
     before = {name: tensor.clone() for name, tensor in engine.hf_weights()}  # TP1 yields views
     role = Critic(engine) if critic else Actor(engine, loss or ActorLossConfig())
     metrics = role.update(local_rows(engine, padded_batch()))
@@ -102,8 +115,10 @@ def one_update(hf_path, layout, micro_batch_tokens, first, loss=None, critic=Fal
 
 def updates_rank(scenarios):
     """Run each (hf_path, layout, micro_batch_tokens[, config]) scenario in turn in the same processes."""
-    return [one_update(*scenario[:3], first=i == 0, **(scenario[3] if len(scenario) > 3 else {}))
-            for i, scenario in enumerate(scenarios)]
+    return [
+        one_update(*scenario[:3], first=i == 0, **(scenario[3] if len(scenario) > 3 else {}))
+        for i, scenario in enumerate(scenarios)
+    ]
 
 
 def adam(lr=1e-2):
@@ -114,14 +129,16 @@ def adam(lr=1e-2):
 
 def colocated_rank(actor_hf, critic_hf, steps, root):
     """Actor TP2 and critic TP1×DP2 in the same processes; a reference and a reward model beside them."""
-    from megarl.workers import Actor, Critic, Reference, RewardModel
-    from megarl.engine.engine import MegatronEngine
     from megarl.engine.config import EngineConfig
+    from megarl.engine.engine import MegatronEngine
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor, Critic, Reference, RewardModel
 
     actor = Actor(build(actor_hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
     critic = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(2e-3), micro_batch_tokens=30))
-    reference = Reference(MegatronEngine(actor_hf, EngineConfig(layout=actor.engine.config.layout), actor.engine.groups))
+    reference = Reference(
+        MegatronEngine(actor_hf, EngineConfig(layout=actor.engine.config.layout), actor.engine.groups)
+    )
     reward = RewardModel(build(critic_hf, ParallelLayout(tp=2), value_head=True))
     batch = padded_batch()
     start = actor.compute_log_probs(batch)
@@ -133,16 +150,23 @@ def colocated_rank(actor_hf, critic_hf, steps, root):
     critic.engine.save_checkpoint(f"{root}/critic")  # a TP1xDP2 role beside a TP2 one
     restored = Critic(build(critic_hf, ParallelLayout(tp=1), value_head=True, optim=adam(2e-3), micro_batch_tokens=30))
     restored.engine.load_checkpoint(f"{root}/critic")
-    return {"start": start, "ref": ref, "scores": scores, "actor": actor_losses, "critic": critic_losses,
-            "critic_values": critic.compute_values(critic_rows)["values"], "critic_rows": critic_rows["input_ids"],
-            "restored_values": restored.compute_values(critic_rows)["values"]}
+    return {
+        "start": start,
+        "ref": ref,
+        "scores": scores,
+        "actor": actor_losses,
+        "critic": critic_losses,
+        "critic_values": critic.compute_values(critic_rows)["values"],
+        "critic_rows": critic_rows["input_ids"],
+        "restored_values": restored.compute_values(critic_rows)["values"],
+    }
 
 
 def offload_rank(hf, steps):
     """Two identical actors; one is offloaded and onloaded between steps. Returns both loss curves and weights."""
     from megarl.engine.offload import device_bytes
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     plain = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=adam(), micro_batch_tokens=30))
     moved = Actor(build(hf, ParallelLayout(tp=2), optim=adam(), micro_batch_tokens=30))
@@ -169,8 +193,8 @@ def subset_role_scores(hf):
     from megarl.engine.config import EngineConfig
     from megarl.engine.engine import MegatronEngine
     from megarl.engine.parallel import build_role_groups
-    from megarl.workers import RewardModel
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import RewardModel
 
     groups = build_role_groups(ParallelLayout(), world_size=1, rank_offset=1)
     if not groups.is_member:
@@ -182,8 +206,9 @@ def subset_role_scores(hf):
 def scheduled_adam():
     from megarl.engine.config import OptimConfig
 
-    return OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, decay_style="linear", clip_grad=1.0,
-                       weight_decay=0.01)
+    return OptimConfig(
+        lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, decay_style="linear", clip_grad=1.0, weight_decay=0.01
+    )
 
 
 def _steps(actor, batch, n):
@@ -195,8 +220,8 @@ def checkpoint_rank(hf, root, save_at, total):
     from pathlib import Path
 
     from megarl.engine import checkpoint
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     batch, ckpt = padded_batch(), f"{root}/ckpt"
     actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
@@ -234,9 +259,19 @@ def checkpoint_rank(hf, root, save_at, total):
     finally:
         checkpoint._meta = real_meta
     leftovers = sorted(p.name for p in Path(root).iterdir() if p.name.startswith("."))
-    return {"first": first, "rest": rest, "again": again, "same_weights": same_weights, "meta": meta,
-            "other": other_steps, "changed_error": changed_error, "crashed": crashed, "leftovers": leftovers,
-            "step_after_load": resumed.engine.step - len(again), "final_logp": final_logp}
+    return {
+        "first": first,
+        "rest": rest,
+        "again": again,
+        "same_weights": same_weights,
+        "meta": meta,
+        "other": other_steps,
+        "changed_error": changed_error,
+        "crashed": crashed,
+        "leftovers": leftovers,
+        "step_after_load": resumed.engine.step - len(again),
+        "final_logp": final_logp,
+    }
 
 
 def _weights(engine) -> dict:
@@ -253,8 +288,8 @@ def decaying_adam():
 def moe_checkpoint_rank(hf, root):
     """EP2 MoE actor: step, save, step; resume at EP2 and at EP1 (DP2 without EP) and take that step again.
     Then the other way: the EP1 engine saves, an EP2 engine loads that, and both take one more step."""
-    from megarl.workers import Actor
     from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
 
     def actor(layout, first=False):
         return Actor(build(hf, layout, first=first, optim=decaying_adam(), micro_batch_tokens=30), full_actor_loss())

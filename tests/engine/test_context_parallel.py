@@ -7,13 +7,13 @@
   loss, every gradient, the log-probs — also for a sequence-level loss (GSPO, seq-mean-token-mean);
 (cp > 1 without TE failing early, naming layout.cp and the fix: test_engine_inputs.py.)
 """
+
+import cp_cases
+import engine_cases as C
 import pytest
 import torch
 
 from megarl.testing.dist import run_distributed
-
-import cp_cases
-import engine_cases as C
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -79,13 +79,20 @@ def test_engine_cp2_with_a_cpu_attention_stand_in_equals_cp1_updates_logprobs_an
     """The real engine at CP=2 (GPTModel, RoPE slicing, schedules, DDP + distributed optimizer over dp_cp,
     dist checkpointing) with only TE's attention replaced by a pure-torch K/V all-gather
     (`cp_cases.GatherKVAttention`)."""
-    from megarl.models.layout import ParallelLayout as L
-
     from test_engine_layouts import _assert_same, _merge
 
+    from megarl.models.layout import ParallelLayout as L
+
     full, critic = {"loss": C.full_actor_loss()}, {"critic": True}
-    scenarios = [(llama, L(), 1000), (llama, L(cp=2), 1000), (llama, L(cp=2), 14), (llama, L(), 14, full),
-                 (llama, L(cp=2), 14, full), (llama, L(), 1000, critic), (llama, L(cp=2), 1000, critic)]
+    scenarios = [
+        (llama, L(), 1000),
+        (llama, L(cp=2), 1000),
+        (llama, L(cp=2), 14),
+        (llama, L(), 14, full),
+        (llama, L(cp=2), 14, full),
+        (llama, L(), 1000, critic),
+        (llama, L(cp=2), 1000, critic),
+    ]
     per_rank = run_distributed(cp_cases.cp_engine_rank, 2, scenarios, llama, str(tmp_path), timeout=300)
     updates = [r[0] for r in per_rank]
     assert _merge(updates, 2)[2] >= 3  # several micro-batches

@@ -6,6 +6,9 @@ lr = ε (≈ −g; see engine_cases.linear_adam). bf16 on both sides (TE's CP at
 kernel), so the comparison allows bf16 noise: per-tensor relative error of the deltas, not equality.
 Run: `PYTHONPATH=$PWD python -m pytest tests/engine/test_context_parallel_gpu.py` on a 2-GPU machine.
 """
+
+import cp_cases
+import engine_cases as C
 import pytest
 import torch
 
@@ -14,11 +17,10 @@ from megarl.models.spec import te_available
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
 
-import cp_cases
-import engine_cases as C
-
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2 or not te_available(),
-                                reason="needs 2 CUDA GPUs and Transformer Engine (context-parallel attention)")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not te_available(),
+    reason="needs 2 CUDA GPUs and Transformer Engine (context-parallel attention)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,11 @@ def _assert_close_bf16(result, reference):
     torch.testing.assert_close(log_probs[mask], ref_log_probs[mask], rtol=0, atol=5e-2)
 
 
-@pytest.mark.parametrize("micro_batch_tokens, loss", [(4096, None), (120, C.full_actor_loss())],
-                         ids=["one-micro-batch-ppo", "micro-batches-ppo-kl-entropy-seq-mean"])
+@pytest.mark.parametrize(
+    "micro_batch_tokens, loss",
+    [(4096, None), (120, C.full_actor_loss())],
+    ids=["one-micro-batch-ppo", "micro-batches-ppo-kl-entropy-seq-mean"],
+)
 def test_actor_update_cp2_equals_cp1_with_te_attention(llama, micro_batch_tokens, loss):
     cp1 = run_distributed(cp_cases.gpu_update_rank, 1, llama, L(), micro_batch_tokens, loss, timeout=600)[0]
     cp2 = run_distributed(cp_cases.gpu_update_rank, 2, llama, L(cp=2), micro_batch_tokens, loss, timeout=600)

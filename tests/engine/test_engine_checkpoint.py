@@ -1,15 +1,15 @@
 """Save at step k, resume in a fresh engine: later steps equal the uninterrupted run bit for bit;
 resuming at another layout works; a crashed save publishes nothing; HF export equals the actor."""
+
 import json
 
+import engine_cases as C
 import pytest
 import torch
 
 from megarl.models.convert import MARKER
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
-
-import engine_cases as C
 
 
 def test_resume_is_bit_exact_reshards_to_pp2_and_saves_atomically(tmp_path):

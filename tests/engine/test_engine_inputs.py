@@ -1,4 +1,6 @@
 """Bad engine inputs fail before any process group, model or weight is built; micro-batch unpadding."""
+
+import engine_cases as C
 import numpy as np
 import pytest
 import torch
@@ -7,10 +9,9 @@ from megarl.engine.config import EngineConfig, OptimConfig
 from megarl.engine.engine import validate_engine_config
 from megarl.engine.micro import make_micro_batch, make_micro_batches, shard_for_dp
 from megarl.engine.parallel import check_layout
-from megarl.models.layout import LayoutError, ParallelLayout as L
+from megarl.models.layout import LayoutError
+from megarl.models.layout import ParallelLayout as L
 from megarl.testing.models import save_tiny_hf_model
-
-import engine_cases as C
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +21,13 @@ def llama(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("layout, world, match", [
-    (L(tp=3), 4, "not divisible by tp\\*pp\\*cp"),
-    (L(tp=2, pp=2), 2, "world size 2 is not divisible"),
-])
+@pytest.mark.parametrize(
+    "layout, world, match",
+    [
+        (L(tp=3), 4, "not divisible by tp\\*pp\\*cp"),
+        (L(tp=2, pp=2), 2, "world size 2 is not divisible"),
+    ],
+)
 def test_layout_not_dividing_world_raises_before_building(llama, layout, world, match):
     with pytest.raises(LayoutError, match=match):
         validate_engine_config(llama, EngineConfig(layout=layout), world)
@@ -40,7 +44,9 @@ def test_cp_and_ep_give_clear_errors(llama):
     from megarl.models.spec import te_available
 
     if not te_available():  # cp > 1 needs TE attention: refused here, naming the setting and the fix
-        with pytest.raises(LayoutError, match=r"layout\.cp=2: context parallelism needs Transformer Engine.*layout\.cp=1"):
+        with pytest.raises(
+            LayoutError, match=r"layout\.cp=2: context parallelism needs Transformer Engine.*layout\.cp=1"
+        ):
             validate_engine_config(llama, EngineConfig(layout=L(cp=2)), 2)
     with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
         validate_engine_config(llama, EngineConfig(layout=L(ep=2)), 2)
@@ -63,8 +69,8 @@ def test_micro_batch_removes_left_padding_and_maps_back_to_response_columns():
     assert mb.tokens.shape[0] == 5 and mb.tokens[3:].eq(0).all()  # filler rows
     for i, row in enumerate([0, 2, 3]):
         real = batch["input_ids"][row][batch["attention_mask"][row].bool()]
-        assert torch.equal(mb.tokens[i, :len(real)], real)
-        assert torch.equal(mb.targets[i, :len(real) - 1], real[1:])
+        assert torch.equal(mb.tokens[i, : len(real)], real)
+        assert torch.equal(mb.targets[i, : len(real) - 1], real[1:])
     # position p of the original row holds token p: mapping the shifted tokens back (shift 0) recovers them
     back = mb.to_response(mb.tokens, shift=0)
     mask = batch["response_mask"][[0, 2, 3]].bool()

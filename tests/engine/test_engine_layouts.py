@@ -4,14 +4,14 @@ Gradients are read through Adam with ε ≫ |g| and lr = ε, whose first step mo
 ≈ −g (exactly the same function of g at every layout), so equal parameter deltas mean equal
 gradients. Scenarios of one world size share one set of processes (each builds its own groups).
 """
+
+import engine_cases as C
 import pytest
 import torch
 
 from megarl.models.layout import ParallelLayout as L
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
-
-import engine_cases as C
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +38,41 @@ def _assert_same(result, reference):
     assert norm == pytest.approx(ref_norm, rel=1e-4)
     assert deltas.keys() == ref_deltas.keys()
     for name in ref_deltas:
-        torch.testing.assert_close(deltas[name], ref_deltas[name], rtol=1e-3, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            deltas[name], ref_deltas[name], rtol=1e-3, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_actor_and_critic_updates_match_single_process_at_tp2_pp2_dp2_tp2xpp2_vpp_recompute_and_splits(models):
     llama, qwen = models["llama"], models["qwen2_4l"]
     full, critic = {"loss": C.full_actor_loss()}, {"critic": True}
-    single = run_distributed(C.updates_rank, 1, [(llama, L(), 1000), (llama, L(), 14), (qwen, L(), 1000),
-                                                 (llama, L(), 1000, {"recompute": True}), (llama, L(), 1000, full),
-                                                 (llama, L(), 1000, critic)], timeout=300)
-    two = run_distributed(C.updates_rank, 2, [(llama, L(tp=2), 1000), (llama, L(pp=2), 14),
-                                              (llama, L(), 1000), (qwen, L(pp=2, vpp=2), 30),
-                                              (llama, L(), 14, full), (llama, L(tp=2), 1000, critic),
-                                              (llama, L(pp=2), 20, critic)], timeout=300)
+    single = run_distributed(
+        C.updates_rank,
+        1,
+        [
+            (llama, L(), 1000),
+            (llama, L(), 14),
+            (qwen, L(), 1000),
+            (llama, L(), 1000, {"recompute": True}),
+            (llama, L(), 1000, full),
+            (llama, L(), 1000, critic),
+        ],
+        timeout=300,
+    )
+    two = run_distributed(
+        C.updates_rank,
+        2,
+        [
+            (llama, L(tp=2), 1000),
+            (llama, L(pp=2), 14),
+            (llama, L(), 1000),
+            (qwen, L(pp=2, vpp=2), 30),
+            (llama, L(), 14, full),
+            (llama, L(tp=2), 1000, critic),
+            (llama, L(pp=2), 20, critic),
+        ],
+        timeout=300,
+    )
     four = run_distributed(C.updates_rank, 4, [(llama, L(tp=2, pp=2), 20)], timeout=300)
     reference = _merge(single, 0)
     assert reference[2] == 1 and _merge(single, 1)[2] >= 4

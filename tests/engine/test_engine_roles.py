@@ -1,12 +1,12 @@
 """Roles on shared processes: actor TP2 + critic TP1×DP2 colocated both train; the actor's (and the
 reference's) log-probs equal transformers' on padded rows; the reward model scores; offload is lossless."""
+
+import engine_cases as C
 import pytest
 import torch
 
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
-
-import engine_cases as C
 
 
 @pytest.fixture(scope="module")

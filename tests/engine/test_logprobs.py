@@ -1,4 +1,5 @@
 """Vocab-parallel log-probs and entropy equal a plain log_softmax computation (values and grads)."""
+
 import pytest
 import torch
 
@@ -13,7 +14,10 @@ def _inputs(seed=0, shape=(3, 7)):
     logits = torch.randn(*shape, PADDED, generator=gen, dtype=torch.float64) * 3
     logits[..., VOCAB:] = 100.0  # padding columns hold garbage; they must not count
     target = torch.randint(0, VOCAB, shape, generator=gen)
-    weights = torch.randn(*shape, generator=gen, dtype=torch.float64), torch.randn(*shape, generator=gen, dtype=torch.float64)
+    weights = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64),
+        torch.randn(*shape, generator=gen, dtype=torch.float64),
+    )
     return logits, target, weights
 
 
@@ -29,8 +33,9 @@ def _reference(logits, target, weights, temperature=1.0):
 
 def _ours(logits, target, weights, group=None, temperature=1.0, chunk_tokens=4):
     logits = logits.clone().requires_grad_(True)
-    logp, entropy = vocab_parallel_logprobs(logits, target, tp_group=group, vocab_size=VOCAB,
-                                            temperature=temperature, chunk_tokens=chunk_tokens)
+    logp, entropy = vocab_parallel_logprobs(
+        logits, target, tp_group=group, vocab_size=VOCAB, temperature=temperature, chunk_tokens=chunk_tokens
+    )
     ((weights[0] * logp).sum() + (weights[1] * entropy).sum()).backward()
     return logp.detach(), entropy.detach(), logits.grad
 
@@ -38,8 +43,9 @@ def _ours(logits, target, weights, group=None, temperature=1.0, chunk_tokens=4):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_tp1_match_log_softmax_values_and_grads(temperature):
     logits, target, weights = _inputs()
-    for ours, ref in zip(_ours(logits, target, weights, temperature=temperature),
-                         _reference(logits, target, weights, temperature)):
+    for ours, ref in zip(
+        _ours(logits, target, weights, temperature=temperature), _reference(logits, target, weights, temperature)
+    ):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -64,10 +70,10 @@ def _tp2_rank(temperature):
 
     logits, target, weights = _inputs(seed=1)
     rank = dist.get_rank()
-    shard = logits[..., rank * PADDED // 2:(rank + 1) * PADDED // 2]
+    shard = logits[..., rank * PADDED // 2 : (rank + 1) * PADDED // 2]
     logp, entropy, grad = _ours(shard, target, weights, group=dist.group.WORLD, temperature=temperature)
     ref = _reference(logits, target, weights, temperature)
-    return [(logp, ref[0]), (entropy, ref[1]), (grad, ref[2][..., rank * PADDED // 2:(rank + 1) * PADDED // 2])]
+    return [(logp, ref[0]), (entropy, ref[1]), (grad, ref[2][..., rank * PADDED // 2 : (rank + 1) * PADDED // 2])]
 
 
 def test_logprobs_tp2_match_log_softmax_values_and_grads():

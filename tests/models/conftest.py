@@ -1,10 +1,12 @@
 """Tiny HF checkpoints shared by the model-bridge tests (built once per session, no download)."""
+
 import pytest
 
 from megarl.testing.models import ARCHS, MOE_ARCHS, save_tiny_hf_model
 
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
 """HF ↔ megatron-core conversion: bit-exact round trips across layouts, and bad input refused early."""
+
 import json
 import shutil
 import subprocess
@@ -10,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.models.convert import MARKER, hf_to_mcore, mcore_to_hf, plan_hf_to_mcore, read_metadata
-from megarl.models.hf_io import CheckpointError
 from megarl.models.hf_config import UnsupportedModelError
+from megarl.models.hf_io import CheckpointError
 from megarl.models.layout import LayoutError, ParallelLayout
 from megarl.utils.atomic import TargetExistsError, atomic_directory
 from megarl.utils.distributed import free_port
@@ -131,8 +132,18 @@ def test_atomic_directory_crash_leaves_old_content_and_no_staging(tmp_path):
 def test_cli_reports_bad_input_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore", "--hf-path", str(tmp_path),
-         "--mcore-path", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert_checkpoint.py"),
+            "hf-to-mcore",
+            "--hf-path",
+            str(tmp_path),
+            "--mcore-path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "model_type='bert' is not supported" in proc.stderr
@@ -141,9 +152,23 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
 
 def test_torchrun_launch_converts_with_the_same_result(tiny_models, tmp_path):
     """Under torchrun the tool uses the launched world (here 2 ranks: TP2) instead of spawning one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore", "--hf-path", str(tiny_models["mistral"]),
-           "--mcore-path", str(tmp_path / "mcore"), "--tp", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "tools" / "convert_checkpoint.py"),
+        "hf-to-mcore",
+        "--hf-path",
+        str(tiny_models["mistral"]),
+        "--mcore-path",
+        str(tmp_path / "mcore"),
+        "--tp",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote megatron checkpoint") == 1  # printed by rank 0 only

@@ -1,4 +1,5 @@
 """Model FLOPs for MFU: 6·N·T for the weights plus causal attention, written out by hand."""
+
 import torch
 
 from megarl.models.flops import train_flops, weight_params
@@ -29,6 +30,8 @@ def test_mfu_metric_is_flops_over_peak_time_and_gpus():
 
 
 def test_moe_flops_count_the_active_experts():
-    dims = describe_hf_config(tiny_hf_config("qwen2_moe"))  # attention as Llama's; 4 experts × 64, top-2, shared 96 + gate
+    dims = describe_hf_config(
+        tiny_hf_config("qwen2_moe")
+    )  # attention as Llama's; 4 experts × 64, top-2, shared 96 + gate
     per_layer = 64 * (2 * 64 + 2 * 32) + 3 * 64 * (2 * 64 + 96) + 64 * (4 + 1)
     assert weight_params(dims) == 2 * per_layer + 96 * 64

@@ -1,4 +1,5 @@
 """HF config validation and layout checks: clear errors before any weight is read."""
+
 import json
 
 import pytest
@@ -8,10 +9,15 @@ from megarl.models.layout import LayoutError, ParallelLayout
 from megarl.testing.models import tiny_hf_config
 
 
-@pytest.mark.parametrize("arch,qkv_bias,qk_norm,tied,head_dim", [
-    ("llama", False, False, False, 16), ("qwen2", True, False, True, 16),
-    ("qwen3", False, True, False, 32), ("mistral", False, False, False, 16),
-])
+@pytest.mark.parametrize(
+    "arch,qkv_bias,qk_norm,tied,head_dim",
+    [
+        ("llama", False, False, False, 16),
+        ("qwen2", True, False, True, 16),
+        ("qwen3", False, True, False, 32),
+        ("mistral", False, False, False, 16),
+    ],
+)
 def test_describe_families(arch, qkv_bias, qk_norm, tied, head_dim):
     dims = describe_hf_config(tiny_hf_config(arch))
     assert (dims.qkv_bias, dims.qk_norm, dims.tie_word_embeddings, dims.head_dim) == (qkv_bias, qk_norm, tied, head_dim)
@@ -35,16 +41,22 @@ def test_sliding_window_and_unknown_rope_are_refused():
     with pytest.raises(UnsupportedModelError, match="sliding_window=32"):
         describe_hf_config(tiny_hf_config("mistral", sliding_window=32))
     with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
-        describe_hf_config(tiny_hf_config("llama", rope_scaling=dict(rope_type="yarn", factor=2.0,
-                                                                      original_max_position_embeddings=64)))
+        describe_hf_config(
+            tiny_hf_config(
+                "llama", rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64)
+            )
+        )
 
 
-@pytest.mark.parametrize("layout,message", [
-    (ParallelLayout(tp=3), "num_attention_heads=4 is not divisible by tp=3"),
-    (ParallelLayout(tp=4), "num_key_value_heads=2 is not divisible by tp=4"),
-    (ParallelLayout(pp=2, vpp=2), r"num_hidden_layers=2 is not divisible by pp\*vpp = 2\*2 = 4"),
-    (ParallelLayout(ep=2), "needs a mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (ParallelLayout(tp=3), "num_attention_heads=4 is not divisible by tp=3"),
+        (ParallelLayout(tp=4), "num_key_value_heads=2 is not divisible by tp=4"),
+        (ParallelLayout(pp=2, vpp=2), r"num_hidden_layers=2 is not divisible by pp\*vpp = 2\*2 = 4"),
+        (ParallelLayout(ep=2), "needs a mixture-of-experts model"),
+    ],
+)
 def test_indivisible_layouts_name_the_sizes(layout, message):
     dims = describe_hf_config(tiny_hf_config("llama"))
     with pytest.raises(LayoutError, match=message):

@@ -1,4 +1,5 @@
 """Weight tables and split/merge rules (pure torch, no megatron)."""
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -62,7 +63,9 @@ def test_vocab_padding_to_multiple_of_tp_times_128_and_dropped_on_export(tiny_mo
 
 def test_lookup_offsets_layers_and_accepts_te_and_ddp_names(tiny_models):
     wmap = WeightMap(_dims(tiny_models["llama"]))
-    assert wmap.lookup("decoder.layers.0.mlp.linear_fc2.weight", layer_offset=1).hf == ("model.layers.1.mlp.down_proj.weight",)
+    assert wmap.lookup("decoder.layers.0.mlp.linear_fc2.weight", layer_offset=1).hf == (
+        "model.layers.1.mlp.down_proj.weight",
+    )
     te = wmap.lookup("module.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight")
     assert te.hf == ("model.layers.1.input_layernorm.weight",)
     with pytest.raises(KeyError, match="no HF mapping for megatron parameter"):

@@ -4,6 +4,7 @@ Parity: logits of megatron-core's MoE layers equal `transformers` (fp32, ≤ 1e-
 and TP2×EP2. The tiny models route decisively and have 10x expert weights (megarl.testing.models),
 so a wrong EP offset (0.7-0.9) or router normalisation (5e-2) moves the logits far past the tolerance.
 """
+
 import json
 
 import pytest
@@ -76,11 +77,15 @@ def test_local_experts_map_to_global_experts_by_ep_rank(tiny_models):
     local1 = "module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
     # EP2: rank 1 holds experts 2, 3 as local experts 0, 1
     fc1 = wmap.lookup(local1, layer_offset=1, expert_offset=1 * wmap.local_experts(2))
-    assert fc1.expert and fc1.hf == ("model.layers.1.block_sparse_moe.experts.3.w1.weight",
-                                     "model.layers.1.block_sparse_moe.experts.3.w3.weight")
+    assert fc1.expert and fc1.hf == (
+        "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+    )
     router = wmap.lookup("decoder.layers.0.mlp.router.weight", expert_offset=2)
     assert router.hf == ("model.layers.0.block_sparse_moe.gate.weight",) and not router.expert and router.tp_dim is None
-    fc2 = WeightMap(_dims(tiny_models["qwen2_moe"])).lookup("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight")
+    fc2 = WeightMap(_dims(tiny_models["qwen2_moe"])).lookup(
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
+    )
     assert fc2.hf == ("model.layers.1.mlp.experts.0.down_proj.weight",) and fc2.tp_dim == 1
 
 
@@ -117,8 +122,9 @@ def test_convert_cli_takes_ep_and_refuses_one_that_does_not_divide_the_experts(t
     from megarl.cli import _layout, build_parser
     from megarl.models.convert import plan_hf_to_mcore
 
-    args = build_parser().parse_args(["convert", "hf-to-mcore", "--hf-path", "a", "--mcore-path", "b", "--tp", "2",
-                                      "--ep", "2"])
+    args = build_parser().parse_args(
+        ["convert", "hf-to-mcore", "--hf-path", "a", "--mcore-path", "b", "--tp", "2", "--ep", "2"]
+    )
     assert _layout(args) == ParallelLayout(tp=2, ep=2)
     assert plan_hf_to_mcore(tiny_models["mixtral"], tmp_path / "ok", _layout(args)).world_size == 4
     with pytest.raises(LayoutError, match="num_experts=4 is not divisible by ep=3"):

@@ -1,4 +1,5 @@
 """Megatron-core models built by the bridge give the logits of `transformers` (fp32, ≤ 1e-4)."""
+
 import pytest
 import torch
 

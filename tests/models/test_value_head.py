@@ -1,4 +1,5 @@
 """Critic / reward-model variant: the same backbone with a scalar head (`score.weight` in HF)."""
+
 import pytest
 import torch
 

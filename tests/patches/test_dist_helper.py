@@ -1,6 +1,7 @@
 """megarl.testing.dist.run_distributed: results by rank, env and gloo set up, a rank's exception
 re-raised with its rank and traceback, stragglers killed at the timeout. Ranks here skip the
 megatron patches (apply_patches=False) so each run costs only a torch import."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ Two rank processes in all (one 1-rank run, one 2-rank run), each checking severa
 file stays well under 90 s on 2 cores. Worker functions are module-level so spawned ranks can
 import them. The pytest process itself never applies the patches.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,13 +35,25 @@ def _build_gpt(tp: int, seed: int = SEED, pp: int = 1):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=VOCAB, max_sequence_length=SEQ,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     return model, config
 
 
@@ -56,14 +69,30 @@ def _build_llama_like(recompute: bool, seed: int = SEED):
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1) if recompute else {}
+    recompute_args = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    )
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32,
-        hidden_dropout=0.1, attention_dropout=0.1, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, use_cpu_initialization=False, **recompute_args)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        params_dtype=torch.float32,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=False,
+        **recompute_args,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+    )
 
 
 def _recompute_dropout_checks() -> dict:
@@ -111,10 +140,12 @@ def _ddp_distopt(model, config):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True
+    )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
-                                 bf16=False, fp16=False, clip_grad=1.0)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, use_distributed_optimizer=True, bf16=False, fp16=False, clip_grad=1.0
+    )
     return model, get_megatron_optimizer(opt_config, [model])
 
 
@@ -137,8 +168,9 @@ def _pipeline_losses(model, num_microbatches: int = 2) -> list[float]:
 
     tokens, position_ids, mask, labels = _batch()
     mbs = BATCH // num_microbatches
-    micro_batches = iter([(tokens[i:i + mbs], position_ids[i:i + mbs], labels[i:i + mbs])
-                          for i in range(0, BATCH, mbs)])
+    micro_batches = iter(
+        [(tokens[i : i + mbs], position_ids[i : i + mbs], labels[i : i + mbs]) for i in range(0, BATCH, mbs)]
+    )
 
     def forward_step(data_iterator, model):
         tok, pos, lab = next(data_iterator)
@@ -146,8 +178,14 @@ def _pipeline_losses(model, num_microbatches: int = 2) -> list[float]:
         return per_token, lambda out: (out.mean(), {"loss": out.mean().detach()})
 
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro_batches, model=[model],
-        num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=mbs, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=micro_batches,
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=mbs,
+        forward_only=False,
+    )
     return [d["loss"].item() for d in losses]
 
 

@@ -1,6 +1,7 @@
 """megatron_patches API in the pytest process (no megatron import, nothing left applied):
 version check, CUDA-present no-op, the device mode (patch 3) and its thread-locality, and the
 torch-only patches 4 and 5 applied and removed around each test."""
+
 from __future__ import annotations
 
 import threading
@@ -15,10 +16,11 @@ from megatron_patches import (
     apply_cpu_patches,
     check_mcore_version,
     cpu_device_mode,
+    cuda_runtime,
     installed_mcore_version,
     patches_applied,
+    tensor_type_names,
 )
-from megatron_patches import cuda_runtime, tensor_type_names
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only behaviour")
 

@@ -1,4 +1,5 @@
 """Per-rank function of the measured-memory test (module level, so ranks can import it)."""
+
 from __future__ import annotations
 
 
@@ -20,6 +21,7 @@ def measured_state_bytes(hf_path, layout) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
     import engine_cases as C
+
     from megarl.engine.config import OptimConfig
     from megarl.engine.offload import inner_optimizers
     from megarl.workers import Actor
@@ -31,7 +33,10 @@ def measured_state_bytes(hf_path, layout) -> dict:
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     optim = []
     for inner in inner_optimizers(engine.optimizer):
-        optim += [p for g in inner.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in param_ptrs]
-        optim += [v for state in inner.state.values() for v in state.values() if hasattr(v, "untyped_storage")
-                  and v.dim() > 0]
+        optim += [
+            p for g in inner.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in param_ptrs
+        ]
+        optim += [
+            v for state in inner.state.values() for v in state.values() if hasattr(v, "untyped_storage") and v.dim() > 0
+        ]
     return {"weights": _storage_bytes(params), "grads": _storage_bytes(grads), "optimizer": _storage_bytes(optim)}

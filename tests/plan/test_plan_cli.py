@@ -1,5 +1,6 @@
 """`megarl plan` (table, --json, --search, hardware overrides) and `megarl config --validate-only`'s
 predicted memory lines; the search enumerates exactly the layouts config validation accepts."""
+
 import json
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_search_ranks_only_layouts_config_validation_accepts():
         assert c.config.actor.layout.ep == c.ep and c.config.rollout.tp == c.rollout_tp
         assert 16 % (c.tp * c.pp) == 0 and (16 // (c.tp * c.pp)) % c.ep == 0  # ep | dp on the 16-GPU pool
     fits = [c for c in found if c.plan.fits]
-    assert fits and found[:len(fits)] == fits  # fitting layouts first
+    assert fits and found[: len(fits)] == fits  # fitting layouts first
     times = [round(c.plan.step_time, 1) for c in fits]
     assert times == sorted(times)  # ties (within 0.1 s) go to the larger margin
     assert {c.ep for c in found} >= {1, 2, 4, 8, 16}
@@ -85,8 +86,19 @@ def test_validate_only_prints_predicted_memory_and_warns_without_failing(capsys)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# ok:") and lines[1].startswith("# plan (H100, 79.6 GiB): predicted peak per GPU:")
     assert "actor " in lines[1] and "critic " in lines[1] and "# warning" not in "\n".join(lines)
-    assert main(["config", cfg, "--validate-only", "--no-check-paths", "actor.layout={tp: 1, pp: 1, vpp: 1}",
-                 "actor.offload=false"]) == 0  # predicted not to fit: a warning, not an error
+    assert (
+        main(
+            [
+                "config",
+                cfg,
+                "--validate-only",
+                "--no-check-paths",
+                "actor.layout={tp: 1, pp: 1, vpp: 1}",
+                "actor.offload=false",
+            ]
+        )
+        == 0
+    )  # predicted not to fit: a warning, not an error
     out = capsys.readouterr().out
     assert "# warning: pool 'main': actor update needs" in out
 

@@ -1,11 +1,19 @@
 """The memory model's parts move the way the engine's knobs move them (recompute, SP, CP, DP, EP,
 precision, vocabulary padding), and vLLM's KV arithmetic; hardware table overrides."""
+
 import pytest
 
 from megarl.models.layout import ParallelLayout
 from megarl.plan import gpu_spec
 from megarl.plan.memory import (
-    Shard, kv_bytes_per_token, local_params, logprob_bytes, role_memory, sync_buffer_bytes, total_params, vllm_memory,
+    Shard,
+    kv_bytes_per_token,
+    local_params,
+    logprob_bytes,
+    role_memory,
+    sync_buffer_bytes,
+    total_params,
+    vllm_memory,
 )
 from megarl.plan.presets import PRESETS
 

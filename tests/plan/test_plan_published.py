@@ -18,6 +18,7 @@ config terms below):
   TP to TP, so this layout is checked with the memory model directly (`Shard(etp=1)`).
 (slime's scripts/run-qwen3-30B-A3B.sh on 8xH100 relies on CPU Adam, which megarl does not have.)
 """
+
 from pathlib import Path
 
 from megarl.config import load_config
@@ -31,37 +32,77 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def _run(model, gpus, prompts, n, prompt, response, actor, rollout_tp, **extra):
     nodes = max(1, gpus // 8)
-    overrides = [f"model.hf_path={model}", "data.files=[x.parquet]", f"trainer.prompts_per_step={prompts}",
-                 f"rollout.samples_per_prompt={n}", f"data.max_prompt_tokens={prompt}",
-                 f"rollout.max_response_tokens={response}", f"rollout.tp={rollout_tp}",
-                 "rollout.gpu_memory_utilization=0.6", f"resources.nodes={nodes}", "resources.gpus_per_node=8",
-                 "actor.dtype=bfloat16", "ref.dtype=bfloat16"]
-    overrides += [f"actor.{k}={v}" for k, v in actor.items()] + [f"ref.{k}={v}" for k, v in actor.items()
-                                                                   if k in ("layout", "micro_batch_tokens")]
+    overrides = [
+        f"model.hf_path={model}",
+        "data.files=[x.parquet]",
+        f"trainer.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={n}",
+        f"data.max_prompt_tokens={prompt}",
+        f"rollout.max_response_tokens={response}",
+        f"rollout.tp={rollout_tp}",
+        "rollout.gpu_memory_utilization=0.6",
+        f"resources.nodes={nodes}",
+        "resources.gpus_per_node=8",
+        "actor.dtype=bfloat16",
+        "ref.dtype=bfloat16",
+    ]
+    overrides += [f"actor.{k}={v}" for k, v in actor.items()] + [
+        f"ref.{k}={v}" for k, v in actor.items() if k in ("layout", "micro_batch_tokens")
+    ]
     overrides += [f"{k}={v}" for k, v in extra.items()]
     return load_config((), overrides)
 
 
 def test_verl_qwen2_5_7b_on_8_gpus_fits():
-    cfg = _run("Qwen2.5-7B-Instruct", 8, 1024, 5, 1024, 1024, {"layout": "{tp: 4, pp: 2, vpp: 2}",
-               "recompute": "true", "micro_batch_tokens": 8192, "prompts_per_update": 256}, 2,
-               **{"algorithm.kl_loss.coef": 0.001})
+    cfg = _run(
+        "Qwen2.5-7B-Instruct",
+        8,
+        1024,
+        5,
+        1024,
+        1024,
+        {
+            "layout": "{tp: 4, pp: 2, vpp: 2}",
+            "recompute": "true",
+            "micro_batch_tokens": 8192,
+            "prompts_per_update": 256,
+        },
+        2,
+        **{"algorithm.kl_loss.coef": 0.001},
+    )
     plan = plan_run(cfg, PRESETS["qwen2.5-7b-instruct"], H100)
     assert set(plan.roles) == {"actor", "ref"}
     assert plan.fits, plan.warnings
 
 
 def test_nemo_rl_llama_70b_on_64_gpus_fits():
-    cfg = _run("Llama-3.3-70B-Instruct", 64, 64, 32, 1024, 3072, {"layout": "{tp: 4, pp: 4}", "offload": "true",
-               "micro_batch_tokens": 4096, "prompts_per_update": 16}, 4,
-               **{"algorithm.kl_loss.coef": 0.01, "ref.offload": "true"})
+    cfg = _run(
+        "Llama-3.3-70B-Instruct",
+        64,
+        64,
+        32,
+        1024,
+        3072,
+        {"layout": "{tp: 4, pp: 4}", "offload": "true", "micro_batch_tokens": 4096, "prompts_per_update": 16},
+        4,
+        **{"algorithm.kl_loss.coef": 0.01, "ref.offload": "true"},
+    )
     plan = plan_run(cfg, PRESETS["llama-3.3-70b-instruct"], H100)
     assert plan.fits, plan.warnings
 
 
 def test_verl_qwen3_30b_a3b_on_32_gpus_fits():
-    cfg = _run("Qwen3-30B-A3B", 32, 64, 5, 1024, 2048, {"layout": "{tp: 4, pp: 2, ep: 4}", "recompute": "true",
-               "micro_batch_tokens": 12288}, 4, **{"algorithm.kl_loss.coef": 0.001})
+    cfg = _run(
+        "Qwen3-30B-A3B",
+        32,
+        64,
+        5,
+        1024,
+        2048,
+        {"layout": "{tp: 4, pp: 2, ep: 4}", "recompute": "true", "micro_batch_tokens": 12288},
+        4,
+        **{"algorithm.kl_loss.coef": 0.001},
+    )
     plan = plan_run(cfg, PRESETS["qwen3-30b-a3b"], H100)
     assert plan.fits, plan.warnings
 
@@ -79,8 +120,15 @@ def test_nemo_rl_deepseek_v3_sized_on_512_gpus_fits():
 
 
 def test_70b_actor_at_tp1_is_predicted_not_to_fit():
-    cfg = load_config(CONFIGS / "llama3-70b_ppo.yaml", ["actor.layout={tp: 1, pp: 1, vpp: 1}", "critic.layout={tp: 1, pp: 1}",
-                                                      "ref.layout={tp: 1, pp: 1}", "rollout.tp=8"])
+    cfg = load_config(
+        CONFIGS / "llama3-70b_ppo.yaml",
+        [
+            "actor.layout={tp: 1, pp: 1, vpp: 1}",
+            "critic.layout={tp: 1, pp: 1}",
+            "ref.layout={tp: 1, pp: 1}",
+            "rollout.tp=8",
+        ],
+    )
     plan = plan_run(cfg, PRESETS["meta-llama-3-70b-instruct"], H100)
     assert not plan.fits and plan.margin < 0
     assert plan.roles["actor"].weights > H100.hbm_bytes  # 70B bf16 weights alone are 141 GB

@@ -1,4 +1,5 @@
 """Reward fns that misbehave on purpose, loaded by file path by tests/rewards/test_reward_runner.py."""
+
 import os
 import signal
 import time
@@ -38,8 +39,10 @@ def judge_batch(solution_strs, ground_truths, extras):
     if "boom" in solution_strs:
         raise ConnectionError("judge service unreachable")
     size = len(solution_strs)
-    return [{"score": float(s == g), "batch_size": size, "source_seen": extra["data_source"] == "math"}
-            for s, g, extra in zip(solution_strs, ground_truths, extras)]
+    return [
+        {"score": float(s == g), "batch_size": size, "source_seen": extra["data_source"] == "math"}
+        for s, g, extra in zip(solution_strs, ground_truths, extras)
+    ]
 
 
 def judge_batch_short(solution_strs, ground_truths, extras):

@@ -80,15 +80,18 @@ def test_math_reward_scores_boxed_answer():
     assert fn("3/4 without a box", "3/4", {})["has_answer"] == 0.0
 
 
-@pytest.mark.parametrize("text,strict,flexible", [
-    ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
-    ("#### 1,234", "1234", "1234"),
-    ("#### $18.", "18", "18"),
-    ("#### -5", "-5", "-5"),
-    ("The answer is 42.", None, "42"),
-    ("first #### 3 then #### 4", "4", "4"),
-    ("no number at all", None, None),
-])
+@pytest.mark.parametrize(
+    "text,strict,flexible",
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", "7", "7"),
+        ("#### 1,234", "1234", "1234"),
+        ("#### $18.", "18", "18"),
+        ("#### -5", "-5", "-5"),
+        ("The answer is 42.", None, "42"),
+        ("first #### 3 then #### 4", "4", "4"),
+        ("no number at all", None, None),
+    ],
+)
 def test_gsm8k_extraction_strict_and_flexible(text, strict, flexible):
     assert extract_gsm8k_answer(text, "strict") == strict
     assert extract_gsm8k_answer(text, "flexible") == flexible

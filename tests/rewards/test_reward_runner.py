@@ -21,7 +21,9 @@ def _use(runner, fn_name):
 
 def test_score_by_data_source_uses_builtin_rewards(runner):
     runner.config.reward_fn = None
-    out = runner.score(["#### 42", "\\boxed{\\frac12}", "7"], ["42", "0.5", "7"], ["openai/gsm8k", "math", "arithmetic"])
+    out = runner.score(
+        ["#### 42", "\\boxed{\\frac12}", "7"], ["42", "0.5", "7"], ["openai/gsm8k", "math", "arithmetic"]
+    )
     assert [r["score"] for r in out] == [1.0, 1.0, 1.0]
     assert all(r["reward_error"] is None for r in out)
 
@@ -141,7 +143,9 @@ def test_batch_reward_fns_register_by_name_and_check_their_signature():
 
     assert get_batch_reward_fn("test_all_ones") is all_ones
     assert RewardRunner(RewardConfig(batch_reward_fn="test_all_ones")).score(["a"], ["b"])[0]["score"] == 1.0
-    with pytest.raises(TypeError, match=r"batch reward 'per_sample' must accept \(solution_strs, ground_truths, extras\)"):
+    with pytest.raises(
+        TypeError, match=r"batch reward 'per_sample' must accept \(solution_strs, ground_truths, extras\)"
+    ):
         register_batch_reward("per_sample")(lambda solution_str, ground_truth: 0.0)
     with pytest.raises(ValueError, match="set reward_fn .* or batch_reward_fn"):
         RewardConfig(reward_fn="arithmetic", batch_reward_fn="test_all_ones")

@@ -93,19 +93,27 @@ def test_write_outside_sandbox_dir_refused(tmp_path):
 def test_remove_rename_and_rmtree_outside_sandbox_dir_refused(tmp_path):
     target = tmp_path / "keep.txt"
     target.write_text("keep")
-    for stmt in (f"os.remove({str(target)!r})", f"os.rename({str(target)!r}, 'stolen.txt')",
-                 f"shutil.rmtree({str(tmp_path)!r})", f"os.symlink({str(target)!r}, 'l'); open('l', 'w')"):
+    for stmt in (
+        f"os.remove({str(target)!r})",
+        f"os.rename({str(target)!r}, 'stolen.txt')",
+        f"shutil.rmtree({str(tmp_path)!r})",
+        f"os.symlink({str(target)!r}, 'l'); open('l', 'w')",
+    ):
         result = run_python(f"import os, shutil\n{stmt}\n")
         assert "PermissionError" in result.stderr, stmt
     assert target.read_text() == "keep"
 
 
 def test_files_inside_sandbox_dir_are_writable():
-    result = run_python("open('out.txt', 'w').write('hi')\nprint(open('out.txt').read())\nimport os\nos.remove('out.txt')\n")
+    result = run_python(
+        "open('out.txt', 'w').write('hi')\nprint(open('out.txt').read())\nimport os\nos.remove('out.txt')\n"
+    )
     assert result.ok and result.stdout == "hi\n"
 
 
-CASES = '[{"input": "1 2\\n", "output": "3\\n"}, {"input": "5 5\\n", "output": "10"}, {"input": "0 0\\n", "output": "0"}]'
+CASES = (
+    '[{"input": "1 2\\n", "output": "3\\n"}, {"input": "5 5\\n", "output": "10"}, {"input": "0 0\\n", "output": "0"}]'
+)
 
 
 def test_code_reward_scores_fraction_of_cases_passed():

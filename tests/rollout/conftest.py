@@ -3,6 +3,7 @@
 Hidden 128 with 4 heads (head_dim 32: vLLM's CPU attention has no kernel for head_dim 16) and
 initializer_range 0.2, so greedy continuations vary instead of repeating one token.
 """
+
 import pytest
 
 from megarl.testing.models import save_tiny_hf_model

@@ -1,4 +1,5 @@
 """Engine-contract checks shared by the embedded and vLLM engine tests (any `RolloutEngine`)."""
+
 import asyncio
 
 from megarl.rollout import SamplingParams
@@ -14,18 +15,19 @@ def check_sampling_contract(engine):
     assert len({tuple(c.token_ids) for c in first}) > 1  # n samples are not copies of one
     for c in first:
         assert c.finish_reason == "length" and len(c.token_ids) == len(c.logprobs) == 8
-        scored = engine.score([prompt + c.token_ids])[0][len(prompt) - 1:]
+        scored = engine.score([prompt + c.token_ids])[0][len(prompt) - 1 :]
         assert max(abs(a - b) for a, b in zip(scored, c.logprobs)) < 1e-3, (scored, c.logprobs)
 
     greedy = engine.generate_sync([prompt], SamplingParams(temperature=0, max_tokens=8))[0][0]
     stop = greedy.token_ids[3]
     cut = engine.generate_sync([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop,)))[0][0]
     first_stop = greedy.token_ids.index(stop)
-    assert cut.finish_reason == "stop" and cut.token_ids == greedy.token_ids[:first_stop + 1]
+    assert cut.finish_reason == "stop" and cut.token_ids == greedy.token_ids[: first_stop + 1]
 
 
 def check_concurrent_requests(engine):
     """Concurrent per-request calls with different params each get their own answers."""
+
     async def run():
         return await asyncio.gather(
             engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4)),
@@ -55,8 +57,8 @@ def check_temperature_contract(engine, model_path, temperature=0.7, atol=1e-4):
         for c in completions:
             ids = torch.tensor([prompt + c.token_ids])
             with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-            targets = ids[0, len(prompt):, None]
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            targets = ids[0, len(prompt) :, None]
             expected = torch.log_softmax(logits / temp, -1).gather(-1, targets)[:, 0]
             got = torch.tensor(c.logprobs)
             assert (got - expected).abs().max() < atol, (temp, got, expected)
@@ -116,8 +118,11 @@ def check_callable_from_threads_and_loops(engine):
 
 def check_abort_returns_partial_output(engine):
     async def run():
-        return await midway(lambda: engine.generate([1, 5, 9], greedy(LONG), request_id="to-abort"),
-                            lambda: engine.abort(["to-abort", "unknown-id"]), abort_state)
+        return await midway(
+            lambda: engine.generate([1, 5, 9], greedy(LONG), request_id="to-abort"),
+            lambda: engine.abort(["to-abort", "unknown-id"]),
+            abort_state,
+        )
 
     (c,) = asyncio.run(run())
     assert c.finish_reason == "abort" and 0 < len(c.token_ids) < LONG and c.request_id == "to-abort"
@@ -149,6 +154,7 @@ def check_update_midway_switches_versions(engine, old_path, new_path):
         def back_to_old():  # each retry starts on the old weights again
             engine.update_weights(old)
             return engine.generate(prompt, greedy(LONG))
+
         return await midway(back_to_old, update, state)
 
     (c,) = asyncio.run(run())
@@ -167,6 +173,7 @@ def check_pause_abort_returns_partial_and_queues_new_requests(engine):
         async def pause():
             await engine.pause("abort")
             await engine.pause("keep")  # a no-op while paused
+
         async def request():
             if engine.paused:
                 await engine.resume()

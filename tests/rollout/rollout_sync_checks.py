@@ -2,6 +2,7 @@
 
 Importable by name in spawned ranks (pytest puts this folder on sys.path, and ranks inherit it).
 """
+
 import concurrent.futures
 
 import torch
@@ -61,8 +62,14 @@ def reference_export(bridge, chunks):
 
     from megarl.models.runtime import expert_ranks
 
-    mine = dict(bridge.iter_hf_weights(chunks, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                                       tp_group=ps.get_tensor_model_parallel_group(), ep_group=expert_ranks()[1]))
+    mine = dict(
+        bridge.iter_hf_weights(
+            chunks,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            ep_group=expert_ranks()[1],
+        )
+    )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: v for d in everyone for k, v in d.items()}
@@ -86,9 +93,10 @@ def hf_greedy(config_path, weights=None, prompts=PROMPTS, max_tokens=GREEDY["max
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(prompt):].tolist())
+            gen = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            outs.append(gen[0, len(prompt) :].tolist())
     return outs
 
 
@@ -141,8 +149,10 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
         reference = reference_export(bridge, chunks)
         out["version3"] = manager.sync(sender, version=3)
         # IPC on CPU: every sync wrote into the shared-memory buffers of the first (none for in-place engines)
-        out["kept_reused"] = (len(kept_after_first), kept_after_first == {k: b.data_ptr()
-                                                                          for k, b in manager.kept.buffers.items()})
+        out["kept_reused"] = (
+            len(kept_after_first),
+            kept_after_first == {k: b.data_ptr() for k, b in manager.kept.buffers.items()},
+        )
         snapshot("resynced")
         if engine is not None:
             out["weights"] = reference
@@ -166,8 +176,11 @@ def ep_sync_rank(actor_path, engine_path, layout, sequences):
     manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10)
     engine = _make_engine("embedded", engine_path) if manager.is_rollout_rank else None
     sender = sender_for(engine) if engine is not None else None
-    out = {"rollout": manager.is_rollout_rank, "buckets": len(manager.plan.buckets),
-           "sources": sorted({b.source for b in manager.plan.buckets})}
+    out = {
+        "rollout": manager.is_rollout_rank,
+        "buckets": len(manager.plan.buckets),
+        "sources": sorted({b.source for b in manager.plan.buckets}),
+    }
     if engine is not None:
         out["before"] = torch.tensor(engine.score(sequences.tolist()))
     manager.sync(sender, version=1)
@@ -180,7 +193,8 @@ def ep_sync_rank(actor_path, engine_path, layout, sequences):
     reference = reference_export(bridge, chunks)
     if engine is not None:
         out["perturbed_equals_reference"] = set(reference) == set(engine._params) and all(
-            torch.equal(engine._params[n], t) for n, t in reference.items())
+            torch.equal(engine._params[n], t) for n, t in reference.items()
+        )
     return out
 
 
@@ -228,8 +242,18 @@ def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
 
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(run_distributed, actor_sender_rank, layout.min_world_size, str(actor_path), layout,
-                             fixed_sequences(), port, steps, engine.version + 1, timeout=240)
+        future = pool.submit(
+            run_distributed,
+            actor_sender_rank,
+            layout.min_world_size,
+            str(actor_path),
+            layout,
+            fixed_sequences(),
+            port,
+            steps,
+            engine.version + 1,
+            timeout=240,
+        )
         group = WeightGroup("127.0.0.1", port, 1, 2, timeout_s=120)
         receiver = BroadcastReceiver(group, engine)
         for step in steps:

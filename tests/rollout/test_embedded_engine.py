@@ -1,12 +1,13 @@
 """The embedded (`transformers`) engine's contract, validation and backend selection."""
+
 import pytest
 import torch
+from rollout_api_checks import check_concurrent_requests, check_sampling_contract
+from rollout_sync_checks import GREEDY, PROMPTS, hf_greedy, tokens
 
 import megarl.rollout as rollout
 from megarl.rollout import SamplingParams, WeightUpdateError
 from megarl.rollout.embedded import EmbeddedEngine
-from rollout_api_checks import check_concurrent_requests, check_sampling_contract
-from rollout_sync_checks import hf_greedy, tokens, PROMPTS, GREEDY
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def test_bad_update_names_the_tensor_and_loads_nothing(engine):
     good = ("model.norm.weight", torch.full((128,), 5.0))
     with pytest.raises(WeightUpdateError, match="'model.layers.0.mlp.up_proj.weight' with shape \\(128, 128\\)"):
         engine.update_weights([good, ("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 128))], partial=True)
-    with pytest.raises(WeightUpdateError, match="'model.embed_tokens.weights'.*closest: \\['model.embed_tokens.weight'"):
+    with pytest.raises(
+        WeightUpdateError, match="'model.embed_tokens.weights'.*closest: \\['model.embed_tokens.weight'"
+    ):
         engine.update_weights([good, ("model.embed_tokens.weights", torch.zeros(96, 128))], partial=True)
     assert engine.version == version and outputs() == before
 

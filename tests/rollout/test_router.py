@@ -4,6 +4,7 @@ The routing tests drive the router with calls that finish when the test says so 
 per request), so which engine got what is exact; the last test routes over two real embedded
 engines, one of which is paused in mode abort mid-request (as for a weight update).
 """
+
 import asyncio
 
 import pytest
@@ -142,8 +143,9 @@ def test_engine_aborts_are_rerun_and_caller_aborts_are_not():
 def test_no_request_is_lost_when_an_engine_pauses_in_mode_abort(rollout_models):
     """Two embedded engines behind a router; engine 0 pauses (mode abort) mid-request and resumes:
     the request runs again there and completes; a duplicate id is refused."""
-    from megarl.rollout.embedded import EmbeddedEngine
     from rollout_api_checks import greedy
+
+    from megarl.rollout.embedded import EmbeddedEngine
 
     LONG = 48
     engines = [EmbeddedEngine(rollout_models["llama"]), EmbeddedEngine(rollout_models["llama"])]

@@ -5,15 +5,16 @@ the TP2×PP2 actor's weights over one gloo weight group; one vLLM server receive
 once. A rejected update fails on the trainer with the engine's message and every server keeps
 serving its previous version.
 """
+
 import sys
 
 import pytest
 import torch
+from rollout_sync_checks import GREEDY, PROMPTS, build_actor, hf_greedy, tokens
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import SamplingParams, WeightUpdateError, vllm_available
 from megarl.testing.dist import free_port, run_distributed
-from rollout_sync_checks import GREEDY, PROMPTS, build_actor, hf_greedy, tokens
 
 ray = pytest.importorskip("ray")
 
@@ -32,8 +33,11 @@ def sender_rank(actor_path, layout, port, world_size):
 
     bridge, chunks = build_actor(actor_path, layout)
     manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
-    sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, world_size, timeout_s=120)) \
-        if manager.is_rollout_rank else None
+    sender = (
+        BroadcastSender(WeightGroup("127.0.0.1", port, 0, world_size, timeout_s=120))
+        if manager.is_rollout_rank
+        else None
+    )
     return manager.sync(sender, version=1)
 
 
@@ -49,8 +53,9 @@ def test_two_engine_servers_receive_the_same_weights_by_broadcast(ray_cluster, r
     port = free_port()
     joins = connect_servers(servers, "127.0.0.1", port, timeout_s=120)
     updates = [s.receive_update.remote() for s in servers]
-    results = run_distributed(sender_rank, 4, str(rollout_models["llama"]), ParallelLayout(tp=2, pp=2), port, 3,
-                              timeout=240)
+    results = run_distributed(
+        sender_rank, 4, str(rollout_models["llama"]), ParallelLayout(tp=2, pp=2), port, 3, timeout=240
+    )
     ray.get(joins)
     assert ray.get(updates) == [1, 1] and results[0] == 1
     after = greedy(servers)
@@ -141,8 +146,10 @@ def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, 
         return host.call.options(concurrency_group=REQUEST_GROUP).remote(f"engine.{method}", *args)
 
     async def run():
-        served = [server.generate.remote([1, 5, 9], long, request_id="long"),
-                  server.generate.remote([1, 6, 9], short, request_id="short", session_id="s")]
+        served = [
+            server.generate.remote([1, 5, 9], long, request_id="long"),
+            server.generate.remote([1, 6, 9], short, request_id="short", session_id="s"),
+        ]
         hosted = [request("generate", [1, 5, 9], long, "long"), request("generate", [1, 6, 9], short, "short")]
         while await server.num_requests.remote() < 2 or await host.call.remote("engine.num_requests") < 2:
             await asyncio.sleep(0.05)  # both in flight (queued or running: an abort ends either)

@@ -1,4 +1,5 @@
 """The sharding planner (pure): buckets respect the bound, every HF tensor appears exactly once."""
+
 import pytest
 import torch
 
@@ -81,8 +82,9 @@ def test_buckets_respect_the_size_bound(bucket_bytes):
     assert sum(b.nbytes for b in plan.buckets) == plan.total_bytes
 
 
-@pytest.mark.parametrize("arch,tp,pp,vpp", [("qwen2", 2, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 1),
-                                            ("qwen3", 1, 1, 1)])
+@pytest.mark.parametrize(
+    "arch,tp,pp,vpp", [("qwen2", 2, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 1), ("qwen3", 1, 1, 1)]
+)
 def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp):
     """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack.
 
@@ -92,8 +94,11 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
     config = _CONFIGS[arch] if arch != "qwen2" else tiny_hf_config("qwen2", num_layers=4)
     dims = describe_hf_config(config)
     torch.manual_seed(0)
-    hf = {n: torch.randn(s) for n, s in _shapes(dims).items()
-          if not (n == "lm_head.weight" and config.tie_word_embeddings)}
+    hf = {
+        n: torch.randn(s)
+        for n, s in _shapes(dims).items()
+        if not (n == "lm_head.weight" and config.tie_word_embeddings)
+    }
     layouts = [fake_training_layout(config, tp, pp, vpp, rank=r, value=hf) for r in range(tp)]
     wmap, metas, _ = layouts[0]
     plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=20_000)
@@ -106,8 +111,9 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
         gathered = torch.cat(packed) if bucket.sharded else packed[0]
         flat = unpack_bucket(bucket, gathered, wmap.dims)
         assert flat.buffer.is_contiguous() and flat.buffer.numel() == sum(e.numel for e in flat.entries)
-        assert [e.offset for e in flat.entries] == [sum(e.numel for e in flat.entries[:i])
-                                                    for i in range(len(flat.entries))]
+        assert [e.offset for e in flat.entries] == [
+            sum(e.numel for e in flat.entries[:i]) for i in range(len(flat.entries))
+        ]
         if not bucket.sharded:
             assert flat.buffer.data_ptr() == gathered.data_ptr()  # travels as received
         for entry, (name, tensor) in zip(flat.entries, flat.tensors()):
@@ -130,7 +136,9 @@ def _ep_metas(checkpoint, wmap, ep):
     local_experts = wmap.local_experts(ep)
     metas = []
     for mapping in wmap.all_mappings():
-        full = mapping.to_mcore([checkpoint[n] for n in mapping.hf], wmap.dims, padded_vocab_size(wmap.dims.vocab_size, 1))
+        full = mapping.to_mcore(
+            [checkpoint[n] for n in mapping.hf], wmap.dims, padded_vocab_size(wmap.dims.vocab_size, 1)
+        )
         name, ep_rank = mapping.mcore, 0
         if mapping.expert:
             expert = int(name.split("local_experts.")[1].split(".")[0])

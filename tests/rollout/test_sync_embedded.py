@@ -6,20 +6,31 @@ engine's log-probs of fixed sequences match the actor's megatron forward; a sync
 perturbing the actor changes the outputs, a sync of unchanged weights changes nothing; metadata is
 exchanged once; the synced tensors equal the bridge's reference export bit for bit.
 """
+
 import pytest
+from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
 
 from megarl.models.layout import ParallelLayout
 from megarl.testing.dist import run_distributed
-from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
 
 ATOL = 1e-4
 
 
-@pytest.mark.parametrize("arch,layout", [("llama", ParallelLayout(tp=2, pp=2)), ("qwen3", ParallelLayout(pp=2, vpp=2))],
-                         ids=["llama-tp2xpp2", "qwen3-pp2xvpp2"])
+@pytest.mark.parametrize(
+    "arch,layout",
+    [("llama", ParallelLayout(tp=2, pp=2)), ("qwen3", ParallelLayout(pp=2, vpp=2))],
+    ids=["llama-tp2xpp2", "qwen3-pp2xvpp2"],
+)
 def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
-    results = run_distributed(colocated_sync_rank, layout.tp * layout.pp, str(rollout_models[arch]),
-                              str(rollout_models[arch + "_other"]), layout, fixed_sequences(), timeout=240)
+    results = run_distributed(
+        colocated_sync_rank,
+        layout.tp * layout.pp,
+        str(rollout_models[arch]),
+        str(rollout_models[arch + "_other"]),
+        layout,
+        fixed_sequences(),
+        timeout=240,
+    )
     rollout = next(r for r in results if r["rollout"])
     last = results[-1]
     assert all(r["exchanges"] == 1 for r in results)  # metadata once per model, not once per sync

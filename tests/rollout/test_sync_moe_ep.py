@@ -5,14 +5,15 @@ name. Checks: after a sync the engine's tensors equal the HF checkpoint bit for 
 log-probs equal the actor's megatron forward (the engine started from other weights); after a
 training-like perturbation and a re-sync they equal the bridge's EP-gathered export.
 """
+
 import pytest
 import torch
+from rollout_sync_checks import ep_sync_rank, fixed_sequences
 from safetensors.torch import load_file
 
 from megarl.models.layout import ParallelLayout
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
-from rollout_sync_checks import ep_sync_rank, fixed_sequences
 
 ATOL = 1e-4
 
@@ -28,8 +29,9 @@ def mixtral_pair(tmp_path_factory):
 @pytest.mark.parametrize("layout", [ParallelLayout(ep=2), ParallelLayout(tp=2, ep=2)], ids=["ep2", "tp2xep2"])
 def test_ep_actor_sync_gives_the_engine_every_expert(mixtral_pair, layout):
     actor, other = mixtral_pair
-    results = run_distributed(ep_sync_rank, layout.min_world_size, str(actor), str(other), layout, fixed_sequences(),
-                              timeout=240)
+    results = run_distributed(
+        ep_sync_rank, layout.min_world_size, str(actor), str(other), layout, fixed_sequences(), timeout=240
+    )
     rollout = next(r for r in results if r["rollout"])
     assert rollout["sources"] == [(0, 0), (0, 1)]  # both EP ranks ship buckets
     checkpoint = load_file(actor / "model.safetensors")

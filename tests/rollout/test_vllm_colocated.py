@@ -6,19 +6,28 @@ shared-memory buffers by every sync. Same checks as the other sync tests (weight
 follow the actor, unchanged syncs change nothing), with tied embeddings and a pipeline stage that
 holds the tied copy.
 """
+
 import pytest
+from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import vllm_available
 from megarl.testing.dist import run_distributed
-from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
 
 def test_vllm_in_a_pp2_training_rank_follows_the_actor(rollout_models):
-    results = run_distributed(colocated_sync_rank, 2, str(rollout_models["qwen2"]), str(rollout_models["qwen2_other"]),
-                              ParallelLayout(pp=2), fixed_sequences(), "vllm", timeout=300)
+    results = run_distributed(
+        colocated_sync_rank,
+        2,
+        str(rollout_models["qwen2"]),
+        str(rollout_models["qwen2_other"]),
+        ParallelLayout(pp=2),
+        fixed_sequences(),
+        "vllm",
+        timeout=300,
+    )
     rollout = results[0]
     assert rollout["rollout"] and all(r["exchanges"] == 1 for r in results)
     check_sync(rollout["snaps"], results[-1]["actor"], rollout["weights"], rollout_models["qwen2"], 2e-4)

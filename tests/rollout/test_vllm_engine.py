@@ -5,12 +5,13 @@ The actor runs in gloo ranks (TP2×PP2, then PP2×VPP2); its rollout rank sends 
 buckets to the engine over a `WeightGroup` (the broadcast transport of server mode, here with one
 receiver), and the engine streams them into vLLM with `reload_weights`.
 """
+
 import pytest
 import torch
+from rollout_sync_checks import check_sync, engine_snapshot, fixed_sequences, run_actor_and_receive, tokens
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import SamplingParams, WeightUpdateError, vllm_available
-from rollout_sync_checks import check_sync, engine_snapshot, fixed_sequences, run_actor_and_receive, tokens
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 ATOL = 2e-4  # vLLM's CPU kernels vs megatron's local spec, fp32
@@ -30,8 +31,13 @@ def test_tp2xpp2_actor_to_vllm_tp1(engine, rollout_models):
     snaps = {"before": engine_snapshot(engine, sequences)}
     version0 = engine.version
     steps = ["synced", "perturb", "perturbed", "resynced"]
-    results = run_actor_and_receive(engine, rollout_models["qwen2"], ParallelLayout(tp=2, pp=2), steps,
-                                    lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)))
+    results = run_actor_and_receive(
+        engine,
+        rollout_models["qwen2"],
+        ParallelLayout(tp=2, pp=2),
+        steps,
+        lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)),
+    )
     assert all(r["exchanges"] == 1 for r in results)
     assert results[0]["versions"] == [version0 + 1, version0 + 2, version0 + 3]
     check_sync(snaps, results[-1]["actor"], results[0]["weights"], rollout_models["qwen2"], ATOL)
@@ -39,8 +45,9 @@ def test_tp2xpp2_actor_to_vllm_tp1(engine, rollout_models):
 
 def test_pp2_vpp2_actor_to_vllm_with_mismatch_metrics(engine, rollout_models):
     """Virtual stages; then the engine samples and the actor recomputes log-probs of those samples."""
-    from megarl.algorithms.mismatch import mismatch_metrics
     from rollout_sync_checks import hf_greedy
+
+    from megarl.algorithms.mismatch import mismatch_metrics
 
     sequences = fixed_sequences()
     prompts = [[1, 5, 9, 13], [1, 40, 41, 42]] * 2  # 4 rows: a multiple of PP for the interleaved schedule
@@ -55,20 +62,25 @@ def test_pp2_vpp2_actor_to_vllm_with_mismatch_metrics(engine, rollout_models):
         seen["rollout_lp"] = torch.tensor([c.logprobs for c in completions])
         return torch.tensor([p + c.token_ids for p, c in zip(prompts, completions)])
 
-    results = run_actor_and_receive(engine, rollout_models["qwen2_third"], ParallelLayout(pp=2, vpp=2),
-                                    ["synced", "score_sampled"], on_step)
+    results = run_actor_and_receive(
+        engine, rollout_models["qwen2_third"], ParallelLayout(pp=2, vpp=2), ["synced", "score_sampled"], on_step
+    )
     last = results[-1]
     assert tokens(seen["synced"][0]) == hf_greedy(rollout_models["qwen2_third"])
     assert (seen["synced"][1] - last["actor"]["synced"]).abs().max() < ATOL
-    train_lp = last["sampled_actor"][:, len(prompts[0]) - 1:]  # log-probs of the completion tokens
+    train_lp = last["sampled_actor"][:, len(prompts[0]) - 1 :]  # log-probs of the completion tokens
     metrics = mismatch_metrics(train_lp, seen["rollout_lp"], torch.ones_like(train_lp))
     assert metrics["mismatch_abs_max"] < ATOL, metrics
 
 
-@pytest.mark.parametrize("bad,match", [
-    ([("model.layers.0.mlp.gate_proj.weigth", torch.zeros(256, 128))], "model.layers.0.mlp.gate_proj.weigth"),
-    ([("model.norm.weight", torch.ones(64))], "'model.norm.weight' with shape \\(64,\\)"),
-], ids=["wrong-name", "wrong-shape"])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([("model.layers.0.mlp.gate_proj.weigth", torch.zeros(256, 128))], "model.layers.0.mlp.gate_proj.weigth"),
+        ([("model.norm.weight", torch.ones(64))], "'model.norm.weight' with shape \\(64,\\)"),
+    ],
+    ids=["wrong-name", "wrong-shape"],
+)
 def test_bad_update_names_the_tensor_and_keeps_serving(engine, bad, match):
     sequences = fixed_sequences()
     before, version = engine_snapshot(engine, sequences), engine.version
@@ -97,12 +109,12 @@ def test_sleep_refuses_requests_until_wake_up(engine):
 
 def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
     """The IPC sender (shared memory on CPU, CUDA IPC on GPU) through vLLM's worker extension."""
+    from rollout_sync_checks import hf_greedy
     from safetensors.torch import load_file
 
     from megarl.rollout.sharding.ipc import IpcSender
     from megarl.rollout.sharding.plan import HFSpec
     from megarl.rollout.sharding.protocol import bucket_tensors
-    from rollout_sync_checks import hf_greedy
 
     weights = sorted(load_file(str(rollout_models["qwen2"] / "model.safetensors")).items())
     # small buckets: a layer's tensors spread over several, which vLLM holds until the layer is complete
@@ -118,12 +130,13 @@ def test_vllm_reads_streamed_tensors_after_later_ones_were_asked_for(engine, rol
     """Why vLLM engines get a buffer per bucket (`holds_update_tensors`): its layer-wise reload keeps a
     layer's tensors until the layer is complete (padded layers until the end), so a producer that
     reuses a bucket's memory once the next one is asked for corrupts the update."""
+    from rollout_api_checks import checkpoint
+    from rollout_sync_checks import hf_greedy
+
     from megarl.rollout.sharding.ipc import IpcSender
     from megarl.rollout.sharding.plan import HFSpec
     from megarl.rollout.sharding.protocol import bucket_tensors
     from megarl.rollout.sharding.senders import sender_for
-    from rollout_api_checks import checkpoint
-    from rollout_sync_checks import hf_greedy
 
     weights = checkpoint(rollout_models["qwen2"])
 

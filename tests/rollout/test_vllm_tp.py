@@ -5,11 +5,12 @@ others waited on addresses nobody served); now every worker connects to the engi
 and takes each bucket (`sharding/ipc.py`). The engine starts from other weights; after an update
 from the actor's checkpoint in small buckets its greedy output equals `transformers` on it.
 """
-import pytest
 
-from megarl.rollout import SamplingParams, vllm_available
+import pytest
 from rollout_api_checks import checkpoint
 from rollout_sync_checks import GREEDY, PROMPTS, hf_greedy, tokens
+
+from megarl.rollout import SamplingParams, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 

@@ -3,10 +3,11 @@
 Senders here feed real engines (the embedded `transformers` engine; vLLM's own IPC worker side is
 in test_vllm_engine.py) with buckets of a real checkpoint; spies only record where tensors lie.
 """
+
 import ast
 import threading
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -38,8 +39,10 @@ def specs_of(weights):
 
 def no_cat():
     """Fail any torch.cat inside the block: buckets must travel without being flattened again."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("torch.cat called while sending buckets")
+
     return mock.patch.object(torch, "cat", refuse)
 
 
@@ -121,8 +124,10 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender, WeightGroup
 
     port, groups = free_port(), {}
-    joins = [threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup("127.0.0.1", port, r, 2,
-                                                                                    timeout_s=60))) for r in (0, 1)]
+    joins = [
+        threading.Thread(target=lambda r=r: groups.__setitem__(r, WeightGroup("127.0.0.1", port, r, 2, timeout_s=60)))
+        for r in (0, 1)
+    ]
     for t in joins:
         t.start()
     for t in joins:
@@ -136,7 +141,7 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     groups[0].broadcast_object = lambda obj=None, src=0: (objects.append(obj), send_object(obj, src))[1]
     for version in (4, 5, None):
         result = {}
-        thread = threading.Thread(target=lambda: result.setdefault("v", receiver.receive_update()))
+        thread = threading.Thread(target=lambda result=result: result.setdefault("v", receiver.receive_update()))
         thread.start()
         if version is None:
             sender.close()
@@ -174,7 +179,7 @@ def test_no_import_circle_in_megarl_rollout():
 
     def cycle_from(module, stack):
         if module in stack:
-            return stack[stack.index(module):] + [module]
+            return stack[stack.index(module) :] + [module]
         for imported in modules.get(module, ()):
             found = cycle_from(imported, stack + [module])
             if found:
@@ -258,8 +263,9 @@ def test_update_failing_partway_stops_the_engine_until_an_update_succeeds(rollou
     (nothing lost) and new ones are refused with the reason, until a complete update succeeds."""
     import asyncio
 
-    from megarl.rollout import SamplingParams
     from rollout_api_checks import abort_state, midway
+
+    from megarl.rollout import SamplingParams
 
     engine = EmbeddedEngine(rollout_models["llama_other"])
     sender = sender_for(engine)
@@ -271,6 +277,7 @@ def test_update_failing_partway_stops_the_engine_until_an_update_succeeds(rollou
                 if i == after:
                     raise OSError("trainer rank lost")
                 yield bucket
+
         return buckets()
 
     sender.check(specs_of(checkpoint))

@@ -1,4 +1,5 @@
 """The Dockerfile: NGC base, the image's torch kept, versions in step with setup.sh, RUN steps valid shell."""
+
 import re
 import subprocess
 from pathlib import Path

@@ -3,6 +3,7 @@
 The stubs log each command line; `srun` strips its own options and runs the rest for real, so the
 embedded `bash -c` commands execute (and a syntax error in them fails the test).
 """
+
 import os
 import shlex
 import subprocess
@@ -15,13 +16,13 @@ RAY_SBATCH = REPO / "scripts" / "slurm" / "megarl_ray.sbatch"
 TORCHRUN = REPO / "scripts" / "slurm" / "torchrun.sbatch"
 SCRIPTS = [RAY_SBATCH, TORCHRUN, *sorted((REPO / "scripts").glob("*.sh"))]
 
-SRUN = r'''#!/usr/bin/env bash
+SRUN = r"""#!/usr/bin/env bash
 echo "srun $*" >> "$STUB_LOG"
 while [[ $# -gt 0 && $1 == -* ]]; do
   case $1 in -w|--nodelist) shift 2 ;; *) shift ;; esac
 done
 exec "$@"
-'''
+"""
 LOGGER = '#!/usr/bin/env bash\necho "$(basename "$0") $*" >> "$STUB_LOG"\n'
 
 
@@ -40,14 +41,19 @@ def stubs(tmp_path):
         "hostname": '#!/usr/bin/env bash\necho "10.0.0.7 fe80::1"\n',
         "ray": LOGGER,
         "megarl": LOGGER,
-        "fakepython": LOGGER + 'if [[ $1 == -c ]]; then echo 3; fi\n',  # "3 nodes alive"
+        "fakepython": LOGGER + "if [[ $1 == -c ]]; then echo 3; fi\n",  # "3 nodes alive"
     }
     for name, text in files.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log),
-           "MEGARL_PYTHON": str(bin_dir / "fakepython"), "MEGARL_HEAD_WAIT": "0"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_LOG": str(log),
+        "MEGARL_PYTHON": str(bin_dir / "fakepython"),
+        "MEGARL_HEAD_WAIT": "0",
+    }
     return env, log
 
 
@@ -64,19 +70,29 @@ def _embedded_commands(lines):
 def test_ray_sbatch_starts_head_then_workers_then_the_driver(stubs, tmp_path):
     env, log = stubs
     env.update(SLURM_JOB_NODELIST="gpu-[a-c]", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_ON_NODE="32")
-    subprocess.run(["bash", str(RAY_SBATCH), "configs/llama3-70b_ppo.yaml", "actor.optim.lr=1e-6",
-                    "trainer.experiment=a b"], env=env, check=True, cwd=tmp_path, capture_output=True, timeout=60)
+    subprocess.run(
+        ["bash", str(RAY_SBATCH), "configs/llama3-70b_ppo.yaml", "actor.optim.lr=1e-6", "trainer.experiment=a b"],
+        env=env,
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=60,
+    )
     lines = log.read_text().splitlines()
     ray_lines = [ln for ln in lines if ln.startswith("ray start")]
     head = [ln for ln in ray_lines if "--head" in ln]
-    assert head == ["ray start --head --node-ip-address=10.0.0.7 --port=6379 --num-gpus=4 --num-cpus=32"
-                    " --include-dashboard=false --block"]
+    assert head == [
+        "ray start --head --node-ip-address=10.0.0.7 --port=6379 --num-gpus=4 --num-cpus=32"
+        " --include-dashboard=false --block"
+    ]
     workers = [ln for ln in ray_lines if "--head" not in ln]
     assert workers == ["ray start --address=10.0.0.7:6379 --num-gpus=4 --num-cpus=32 --block"] * 2
     assert any("-w gpu-b" in ln for ln in lines) and any("-w gpu-c" in ln for ln in lines)
     driver = [ln for ln in lines if ln.startswith("megarl ")]
-    assert driver == ["megarl train --config configs/llama3-70b_ppo.yaml resources.nodes=3 resources.gpus_per_node=4"
-                      " resources.ray_address=10.0.0.7:6379 actor.optim.lr=1e-6 trainer.experiment=a b"]
+    assert driver == [
+        "megarl train --config configs/llama3-70b_ppo.yaml resources.nodes=3 resources.gpus_per_node=4"
+        " resources.ray_address=10.0.0.7:6379 actor.optim.lr=1e-6 trainer.experiment=a b"
+    ]
     assert sum(ln.startswith("ray stop") for ln in lines) == 3  # cleanup on every node
     for command in _embedded_commands(lines):
         subprocess.run(["bash", "-n", "-c", command], check=True)
@@ -85,9 +101,10 @@ def test_ray_sbatch_starts_head_then_workers_then_the_driver(stubs, tmp_path):
 def test_ray_sbatch_fails_when_nodes_do_not_join(stubs, tmp_path):
     env, log = stubs
     env.update(SLURM_JOB_NODELIST="gpu-[a-c]", MEGARL_JOIN_TIMEOUT="0")
-    Path(env["MEGARL_PYTHON"]).write_text(LOGGER + 'echo 1\n')  # only the head joined
-    result = subprocess.run(["bash", str(RAY_SBATCH), "cfg.yaml"], env=env, cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+    Path(env["MEGARL_PYTHON"]).write_text(LOGGER + "echo 1\n")  # only the head joined
+    result = subprocess.run(
+        ["bash", str(RAY_SBATCH), "cfg.yaml"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     assert "only 1 of 3 Ray nodes joined" in result.stderr
     assert not any(ln.startswith("megarl ") for ln in log.read_text().splitlines())
@@ -99,8 +116,10 @@ def test_torchrun_launcher_locally_and_under_slurm(stubs, tmp_path):
     args = ["tools/convert_checkpoint.py", "hf-to-mcore", "--hf-path", "/models/a b", "--tp", "2"]
     subprocess.run(["bash", str(TORCHRUN), *args], env=env, check=True, cwd=tmp_path, capture_output=True, timeout=60)
     local = log.read_text().splitlines()[-1]
-    assert local.startswith("fakepython -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d"
-                            " --rdzv-endpoint=localhost:29500")
+    assert local.startswith(
+        "fakepython -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d"
+        " --rdzv-endpoint=localhost:29500"
+    )
     assert local.endswith("tools/convert_checkpoint.py hf-to-mcore --hf-path /models/a b --tp 2")
     env.update(SLURM_JOB_NODELIST="gpu-[a-c]", SLURM_NNODES="3", SLURM_JOB_ID="77")
     subprocess.run(["bash", str(TORCHRUN), *args], env=env, check=True, cwd=tmp_path, capture_output=True, timeout=60)
@@ -114,6 +133,8 @@ def test_ray_local_start_and_usage(stubs, tmp_path):
     env.update(MEGARL_PYTHON_BIN=str(Path(env["MEGARL_PYTHON"]).parent), MEGARL_RAY_CPUS="2")
     script = REPO / "scripts" / "ray_local.sh"
     subprocess.run(["bash", str(script), "start", "4"], env=env, check=True, capture_output=True, timeout=60)
-    assert log.read_text().splitlines()[-1] == ("ray start --head --node-ip-address=127.0.0.1 --port=6379 --num-cpus=2"
-                                                " --num-gpus=4 --include-dashboard=true --dashboard-host=127.0.0.1")
+    assert log.read_text().splitlines()[-1] == (
+        "ray start --head --node-ip-address=127.0.0.1 --port=6379 --num-cpus=2"
+        " --num-gpus=4 --include-dashboard=true --dashboard-host=127.0.0.1"
+    )
     assert subprocess.run(["bash", str(script), "restart"], env=env, capture_output=True).returncode == 2

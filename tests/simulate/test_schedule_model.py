@@ -4,6 +4,7 @@ At max_staleness=0 the async schedule is the sync one event for event; with paci
 it is never slower than sync; no trained group is older than max_staleness in any mode; calibration from
 a synthetic metrics.jsonl recovers the constants that made it; the command prints and refuses bad input.
 """
+
 import json
 import math
 import random
@@ -18,13 +19,21 @@ from megarl.utils.simulate.engine import SimEngine
 
 
 def _random_config(rng: random.Random, seed: int) -> SimConfig:
-    return SimConfig(layout=Layout(rollout_gpus=rng.choice([1, 2, 3, 4]), max_seqs_per_engine=rng.choice([2, 4, 8, 32])),
-                     lengths=Lengths(median=rng.choice([20, 50, 200]), sigma=rng.choice([0.0, 0.5, 1.0, 1.5]),
-                                     max_tokens=rng.choice([64, 256, 2048])),
-                     decode=Decode(rng.choice([0.001, 0.01]), rng.choice([0.0, 0.0005, 0.005])),
-                     costs=Costs(rng.choice([0.0, 0.001, 0.05, 0.5]), rng.choice([0.0, 0.1, 2.0])),
-                     prompts_per_step=rng.choice([1, 2, 4]), samples_per_prompt=rng.choice([1, 2, 4]), steps=8,
-                     warmup_steps=1, seed=seed)
+    return SimConfig(
+        layout=Layout(rollout_gpus=rng.choice([1, 2, 3, 4]), max_seqs_per_engine=rng.choice([2, 4, 8, 32])),
+        lengths=Lengths(
+            median=rng.choice([20, 50, 200]),
+            sigma=rng.choice([0.0, 0.5, 1.0, 1.5]),
+            max_tokens=rng.choice([64, 256, 2048]),
+        ),
+        decode=Decode(rng.choice([0.001, 0.01]), rng.choice([0.0, 0.0005, 0.005])),
+        costs=Costs(rng.choice([0.0, 0.001, 0.05, 0.5]), rng.choice([0.0, 0.1, 2.0])),
+        prompts_per_step=rng.choice([1, 2, 4]),
+        samples_per_prompt=rng.choice([1, 2, 4]),
+        steps=8,
+        warmup_steps=1,
+        seed=seed,
+    )
 
 
 CONFIGS = [_random_config(random.Random(i), i) for i in range(24)]
@@ -65,15 +74,22 @@ def test_async_with_pacing_and_partial_rollouts_is_never_slower_than_sync():
 
 
 def test_a_long_tail_leaves_sync_engines_idle_and_async_fills_them():
-    cfg = SimConfig(layout=Layout(rollout_gpus=4, max_seqs_per_engine=64), lengths=Lengths(500, 1.2, 8192),
-                    decode=Decode(0.007, 0.0001), costs=Costs(0.02, 2.0), prompts_per_step=16, steps=10)
+    cfg = SimConfig(
+        layout=Layout(rollout_gpus=4, max_seqs_per_engine=64),
+        lengths=Lengths(500, 1.2, 8192),
+        decode=Decode(0.007, 0.0001),
+        costs=Costs(0.02, 2.0),
+        prompts_per_step=16,
+        steps=10,
+    )
     sync, fast = simulate_sync(cfg), simulate_async(cfg, Async(max_staleness=2))
     assert fast.samples_per_s > 1.5 * sync.samples_per_s
     assert fast.occupancy > 1.5 * sync.occupancy and fast.trainer_idle_share < sync.trainer_idle_share
 
 
-@pytest.mark.parametrize("over_stale,on_update", [("pace", "continue"), ("pace", "abort"), ("drop", "continue"),
-                                                  ("drop", "abort")])
+@pytest.mark.parametrize(
+    "over_stale,on_update", [("pace", "continue"), ("pace", "abort"), ("drop", "continue"), ("drop", "abort")]
+)
 def test_no_trained_group_is_older_than_max_staleness(over_stale, on_update):
     for cfg in CONFIGS[::2]:
         for staleness in (0, 1, 3):
@@ -92,14 +108,29 @@ def _synthetic_run(tmp_path, decode: Decode, costs: Costs, lengths: Lengths, pro
     for step in range(1, steps + 1):
         batch = [lengths.draw(rng) for _ in range(prompts * n)]
         generate = decode.base_s * max(batch) + decode.per_seq_s * sum(batch)
-        rows.append({"step": step, "time/generate": generate, "time/weight_sync": costs.weight_sync_s,
-                     "time/step": generate + len(batch) * costs.train_s_per_sample + costs.weight_sync_s,
-                     "response_length/mean": sum(batch) / len(batch), "response_length/max": max(batch),
-                     "response_length/clip_ratio": sum(b >= lengths.max_tokens for b in batch) / len(batch)})
+        rows.append(
+            {
+                "step": step,
+                "time/generate": generate,
+                "time/weight_sync": costs.weight_sync_s,
+                "time/step": generate + len(batch) * costs.train_s_per_sample + costs.weight_sync_s,
+                "response_length/mean": sum(batch) / len(batch),
+                "response_length/max": max(batch),
+                "response_length/clip_ratio": sum(b >= lengths.max_tokens for b in batch) / len(batch),
+            }
+        )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 13, "torn')
-    config = {"trainer": {"prompts_per_step": prompts}, "resources": {"nodes": 1, "gpus_per_node": 3, "pools": {"main": 2, "rollout": 1}},
-              "rollout": {"samples_per_prompt": n, "max_response_tokens": lengths.max_tokens, "mode": "server",
-                          "pool": "rollout", "tp": 1}}
+    config = {
+        "trainer": {"prompts_per_step": prompts},
+        "resources": {"nodes": 1, "gpus_per_node": 3, "pools": {"main": 2, "rollout": 1}},
+        "rollout": {
+            "samples_per_prompt": n,
+            "max_response_tokens": lengths.max_tokens,
+            "mode": "server",
+            "pool": "rollout",
+            "tp": 1,
+        },
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -119,8 +150,25 @@ def test_calibration_recovers_the_constants_of_a_synthetic_run(tmp_path, lengths
 
 
 def test_the_command_prints_sync_and_async_and_refuses_bad_input(tmp_path, capsys):
-    args = ["simulate", "--rollout-gpus", "2", "--max-seqs", "16", "--length-median", "50", "--max-tokens", "400",
-            "--steps", "6", "--warmup-steps", "1", "--max-staleness", "0", "2", "--json"]
+    args = [
+        "simulate",
+        "--rollout-gpus",
+        "2",
+        "--max-seqs",
+        "16",
+        "--length-median",
+        "50",
+        "--max-tokens",
+        "400",
+        "--steps",
+        "6",
+        "--warmup-steps",
+        "1",
+        "--max-staleness",
+        "0",
+        "2",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["async"]["0"]["samples_per_s"] == pytest.approx(out["sync"]["samples_per_s"])

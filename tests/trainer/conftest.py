@@ -1,5 +1,6 @@
 """A tiny policy (Qwen2, 2 layers, hidden 64, 2 heads of 32: vLLM's CPU attention needs head_dim 32)
 with the character tokenizer, raw arithmetic prompts, and a runner for `megarl train` subprocesses."""
+
 import pytest
 
 
@@ -12,10 +13,17 @@ def tiny_task(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trainer_task")
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model("qwen2", root / "model", vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        root / "model",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     paths = write_task_splits("arithmetic", 200, str(root / "data"), chat=False)
     return {"model": str(root / "model"), **paths}
-
-

@@ -5,6 +5,7 @@ step 2, the first sample scored afterwards writes `<armed>.blocked` and sleeps, 
 kill the whole run at a known point (inside step 3, after the checkpoint). Otherwise it is the
 plain `arithmetic` reward.
 """
+
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,11 @@ from megarl.rewards.tasks import arithmetic_reward
 
 def reward(solution_str, ground_truth, extra):
     armed = os.environ.get("MEGARL_TEST_CRASH_ARMED")
-    if armed and Path(armed).exists() and (Path(armed).parent / "run_b/checkpoints/step_000002/driver_state.pt").exists():
+    if (
+        armed
+        and Path(armed).exists()
+        and (Path(armed).parent / "run_b/checkpoints/step_000002/driver_state.pt").exists()
+    ):
         Path(armed + ".blocked").touch()
         time.sleep(8)
     return arithmetic_reward(solution_str, ground_truth, extra)

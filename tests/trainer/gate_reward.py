@@ -2,6 +2,7 @@
 reward.reward_fn). While the file $MEGARL_TEST_GATE exists and $MEGARL_TEST_GATE_AFTER exists too
 (e.g. a checkpoint's driver_state.pt), scoring touches `<gate>.waiting` and waits for the gate to be
 removed; otherwise it is the plain `arithmetic` reward."""
+
 import os
 import time
 from pathlib import Path

@@ -1,6 +1,7 @@
 """The asynchronous producer's scheduling rules, without engines: admission under the staleness bound,
 which finished groups a batch takes (pace: the due ones first; drop: stale ones dropped and resubmitted),
 the data cursor a checkpoint records, and the engines' idle clock."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -26,9 +27,14 @@ def producer(dataset, staleness=1, over_stale="pace", cursor=None):
     cfg = RunConfig()
     cfg.trainer.prompts_per_step, cfg.rollout.samples_per_prompt = 2, 2
     cfg.async_training.max_staleness, cfg.async_training.over_stale = staleness, over_stale
-    trainer = SimpleNamespace(cfg=cfg, cluster=SimpleNamespace(rollout=SimpleNamespace(router=EngineRouter(1))), agents=None, step=0,
-                              data=SimpleNamespace(loader=PromptLoader(dataset, 2, seed=1)),
-                              sampling=SamplingParams(n=2))
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        cluster=SimpleNamespace(rollout=SimpleNamespace(router=EngineRouter(1))),
+        agents=None,
+        step=0,
+        data=SimpleNamespace(loader=PromptLoader(dataset, 2, seed=1)),
+        sampling=SamplingParams(n=2),
+    )
     return Producer(trainer, cursor, version=0)
 
 
@@ -95,12 +101,12 @@ def test_drop_mode_drops_resubmits_and_counts_too_stale_groups(dataset):
 def test_idle_clock_counts_time_without_requests_or_paused():
     now = [0.0]
     clock = IdleClock(lambda: now[0])
-    now[0] = 1.0                    # idle: nothing in flight
+    now[0] = 1.0  # idle: nothing in flight
     clock.change(running=2)
-    now[0] = 3.0                    # busy
+    now[0] = 3.0  # busy
     assert clock.read() == 1.0
     clock.change(paused=True)
-    now[0] = 3.5                    # paused for an update with requests in flight: idle
+    now[0] = 3.5  # paused for an update with requests in flight: idle
     clock.change(paused=False)
     now[0] = 4.0
     clock.change(running=-2)

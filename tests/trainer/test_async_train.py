@@ -7,6 +7,7 @@
   no trained token lags more than one version, and every prompt group is trained exactly once across
   the two runs, the rerun starting with the groups buffered or in flight at the checkpoint.
 """
+
 import json
 import os
 import signal
@@ -15,17 +16,26 @@ import time
 
 import pytest
 import torch
+from train_helpers import REPO, overrides, run_train, train_command
 
 from megarl.rollout import vllm_available
 from megarl.testing.processes import TAG_VAR, kill_tagged, wait_until_gone
 from megarl.trainer.metrics import read_metrics
-from train_helpers import REPO, overrides, run_train, train_command
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
-SERVER = ["resources.gpus_per_node=2", "resources.pools={main: 1, rollout: 1}", "rollout.mode=server",
-          "rollout.pool=rollout", "actor.layout.tp=1", "trainer.loggers=[jsonl]", "validation.before_train=false",
-          "validation.every_steps=0", "trainer.export_hf_at_end=false", "trainer.dump_rollouts_every_steps=1"]
+SERVER = [
+    "resources.gpus_per_node=2",
+    "resources.pools={main: 1, rollout: 1}",
+    "rollout.mode=server",
+    "rollout.pool=rollout",
+    "actor.layout.tp=1",
+    "trainer.loggers=[jsonl]",
+    "validation.before_train=false",
+    "validation.every_steps=0",
+    "trainer.export_hf_at_end=false",
+    "trainer.dump_rollouts_every_steps=1",
+]
 TIMINGS = ("time/", "perf/")
 
 
@@ -60,11 +70,21 @@ def test_async_with_staleness_0_gives_the_synchronous_run(tiny_task, tmp_path):
 def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float = 400) -> None:
     """Run until the driver writes the state of its `nth` checkpoint, then SIGKILL its process group."""
     tag = f"async-kill-{os.getpid()}"
-    env = {**os.environ, TAG_VAR: tag, "MEGARL_FAULT_HOLD": f"checkpoint.driver_state@{nth}",
-           "MEGARL_FAULT_HOLD_FILE": str(hold_file)}
+    env = {
+        **os.environ,
+        TAG_VAR: tag,
+        "MEGARL_FAULT_HOLD": f"checkpoint.driver_state@{nth}",
+        "MEGARL_FAULT_HOLD_FILE": str(hold_file),
+    }
     with open(run_dir.parent / "killed.log", "w") as log:
-        proc = subprocess.Popen(train_command("grpo_quickstart.yaml", args), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            train_command("grpo_quickstart.yaml", args),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
         deadline = time.time() + timeout_s
         while not hold_file.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
@@ -77,16 +97,26 @@ def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float =
 
 def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_task, tmp_path):
     run = tmp_path / "run"
-    args = overrides(tiny_task, run, *SERVER, "trainer.mode=async", "async_training.max_staleness=1",
-                     "async_training.on_update=continue", "trainer.checkpoint_every_steps=2", "trainer.keep_checkpoints=0", "rollout.max_response_tokens=200")
+    args = overrides(
+        tiny_task,
+        run,
+        *SERVER,
+        "trainer.mode=async",
+        "async_training.max_staleness=1",
+        "async_training.on_update=continue",
+        "trainer.checkpoint_every_steps=2",
+        "trainer.keep_checkpoints=0",
+        "rollout.max_response_tokens=200",
+    )
     # no checkpoint between steps 1 and 2: the groups admitted after step 1 are still generating at the
     # update after step 2 (long responses), and step 3 trains them
     _killed_at_checkpoint([*args, "trainer.total_steps=4"], run, tmp_path / "held", nth=2)
     first = step_rows(run)  # steps 1-4 (step 4's checkpoint never completed)
     first_uids = {step: dumped_uids(run, step) for step in (1, 2)}
     cursor = torch.load(run / "checkpoints/step_000002/driver_state.pt", weights_only=False)["rollouts"]
-    code, out, seconds = run_train("grpo_quickstart.yaml", [*args, "trainer.total_steps=5",
-                                                            "async_training.on_update=abort"])
+    code, out, seconds = run_train(
+        "grpo_quickstart.yaml", [*args, "trainer.total_steps=5", "async_training.on_update=abort"]
+    )
     assert code == 0, out[-4000:]
     print(f"resumed run: {seconds:.0f} s")
     assert "resumed from" in out and "(step 2)" in out

@@ -1,4 +1,5 @@
 """Driver pieces without workers: rollout batch assembly, checkpoint bookkeeping, metric sinks."""
+
 import json
 
 import numpy as np
@@ -15,15 +16,19 @@ from megarl.trainer.metrics import PhaseTimer, RunLogger, batch_metrics, timing_
 
 def prompts():
     ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
-    return Batch.from_dict({"input_ids": ids, "attention_mask": (ids > 0).long(), "position_ids": ids},
-                           {"ground_truth": ["1", "2"], "data_source": ["arithmetic"] * 2})
+    return Batch.from_dict(
+        {"input_ids": ids, "attention_mask": (ids > 0).long(), "position_ids": ids},
+        {"ground_truth": ["1", "2"], "data_source": ["arithmetic"] * 2},
+    )
 
 
 def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
     reqs = batching.requests(prompts(), SamplingParams(n=2, seed=None), seed=100)
     assert [r[0] for r in reqs] == [[5, 6], [7, 8, 9, 10]] and [r[1].seed for r in reqs] == [100, 101]
-    done = [[Completion([3], [-0.5], "stop", 4), Completion([4, 3, 3], [-1.0, -2.0, -3.0], "length", 4)],
-            [Completion([9, 3], [-0.1, -0.2], "stop", 4)] * 2]
+    done = [
+        [Completion([3], [-0.5], "stop", 4), Completion([4, 3, 3], [-1.0, -2.0, -3.0], "length", 4)],
+        [Completion([9, 3], [-0.1, -0.2], "stop", 4)] * 2,
+    ]
     trajectories = [[completion_trajectory(ids, c) for c in group] for (ids, _), group in zip(reqs, done)]
     batch = batching.trajectory_batch(prompts(), trajectories, pad_token_id=0, group_prefix="7:")
     assert len(batch) == 4 and "position_ids" not in batch
@@ -47,8 +52,7 @@ def test_a_two_turn_trajectory_becomes_a_row_with_a_hole_and_rewards_on_model_to
     tool_turn.finish_reason = "stop"
     short = completion_trajectory([7, 8, 9, 10], Completion([9, 2], [-1.0, -2.0], "stop", 4))
     batch = batching.trajectory_batch(prompts(), [[tool_turn.finalize()], [short]], pad_token_id=0)
-    assert batch["input_ids"].tolist() == [[0, 0, 5, 6, 11, 12, 20, 21, 22, 13, 2],
-                                           [7, 8, 9, 10, 9, 2, 0, 0, 0, 0, 0]]
+    assert batch["input_ids"].tolist() == [[0, 0, 5, 6, 11, 12, 20, 21, 22, 13, 2], [7, 8, 9, 10, 9, 2, 0, 0, 0, 0, 0]]
     assert batch["attention_mask"].tolist()[1] == [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]
     assert batch["response_mask"].tolist() == [[1, 1, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0]]
     assert batch["rollout_log_probs"][0].tolist() == pytest.approx([-0.1, -0.2, 0, 0, 0, -0.3, -0.4])
@@ -95,10 +99,17 @@ def test_run_logger_writes_jsonl_tensorboard_plot_and_drops_steps_after_a_resume
 
 def test_step_metrics_and_driver_overhead_share():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    batch = Batch.from_dict({"response_mask": mask, "attention_mask": torch.ones(2, 5), "scores": torch.tensor([1.0, 0.0]),
-                             "advantages": torch.tensor([[1.0, 1.0, 9.0], [-1.0, 9.0, 9.0]]),
-                             "old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.full((2, 3), -0.1)},
-                            {"finish_reason": np.array(["stop", "length"], dtype=object)})
+    batch = Batch.from_dict(
+        {
+            "response_mask": mask,
+            "attention_mask": torch.ones(2, 5),
+            "scores": torch.tensor([1.0, 0.0]),
+            "advantages": torch.tensor([[1.0, 1.0, 9.0], [-1.0, 9.0, 9.0]]),
+            "old_log_probs": torch.zeros(2, 3),
+            "rollout_log_probs": torch.full((2, 3), -0.1),
+        },
+        {"finish_reason": np.array(["stop", "length"], dtype=object)},
+    )
     m = batch_metrics(batch)
     assert m["reward/score/mean"] == 0.5 and m["response_length/mean"] == 1.5
     assert m["response_length/clip_ratio"] == 0.5 and m["advantages/max"] == 1.0  # masked tokens ignored
@@ -112,17 +123,31 @@ def test_step_metrics_and_driver_overhead_share():
 def scored(scores, acc, sources, uids, infos=None):
     """A scored batch as `RLTrainer.score` leaves it (response mask of one token per row)."""
     n = len(scores)
-    return Batch.from_dict({"scores": torch.tensor(scores), "acc": torch.tensor(acc),
-                            "response_mask": torch.ones(n, 1)},
-                           {"data_source": sources, "uid": uids, "reward_info": infos or [{}] * n})
+    return Batch.from_dict(
+        {"scores": torch.tensor(scores), "acc": torch.tensor(acc), "response_mask": torch.ones(n, 1)},
+        {"data_source": sources, "uid": uids, "reward_info": infos or [{}] * n},
+    )
 
 
 def test_every_key_a_reward_fn_returns_is_logged_overall_and_per_data_source():
-    batch = scored([1.0, 0.0, 0.5, 0.0], [1.0, 0.0, 1.0, 0.0], ["math", "math", "code", "code"], list("abcd"),
-                   [{"format": 1.0, "reward_error": None}, {"format": 0.0, "reward_error": "boom"},
-                    {"format": True, "tests_passed": 3, "note": "text"}, {"format": False, "tests_passed": 1}])
-    m = batch_metrics(Batch.from_dict({**batch.tensors, "response_mask": torch.ones(4, 1)},
-                                      {**batch.non_tensors, "finish_reason": np.array(["stop"] * 4)}))
+    batch = scored(
+        [1.0, 0.0, 0.5, 0.0],
+        [1.0, 0.0, 1.0, 0.0],
+        ["math", "math", "code", "code"],
+        list("abcd"),
+        [
+            {"format": 1.0, "reward_error": None},
+            {"format": 0.0, "reward_error": "boom"},
+            {"format": True, "tests_passed": 3, "note": "text"},
+            {"format": False, "tests_passed": 1},
+        ],
+    )
+    m = batch_metrics(
+        Batch.from_dict(
+            {**batch.tensors, "response_mask": torch.ones(4, 1)},
+            {**batch.non_tensors, "finish_reason": np.array(["stop"] * 4)},
+        )
+    )
     assert m["reward/format"] == 0.5 and m["reward/tests_passed"] == 2.0 and "reward/note" not in m
     assert m["reward/math/score"] == 0.5 and m["reward/code/score"] == 0.25
     assert m["reward/math/acc"] == 0.5 and m["reward/code/acc"] == 0.5
@@ -135,8 +160,12 @@ def test_validation_reports_mean_and_pass_at_n_overall_and_per_data_source():
     from megarl.trainer.metrics import validation_metrics
 
     # two prompts of math (one solved once in 2 samples, one never), one of code (solved twice)
-    batch = scored([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0],
-                   ["math"] * 4 + ["code"] * 2, ["p0", "p0", "p1", "p1", "p2", "p2"])
+    batch = scored(
+        [1.0, 0.0, 0.0, 0.0, 1.0, 1.0],
+        [1.0, 0.0, 0.0, 0.0, 1.0, 1.0],
+        ["math"] * 4 + ["code"] * 2,
+        ["p0", "p0", "p1", "p1", "p2", "p2"],
+    )
     m = validation_metrics(batch, n=2)
     assert m["val/acc"] == m["val/acc/mean@2"] == pytest.approx(0.5) and m["val/acc/pass@2"] == pytest.approx(2 / 3)
     assert m["val/math/acc"] == 0.25 and m["val/math/acc/pass@2"] == 0.5 and m["val/code/acc/pass@2"] == 1.0

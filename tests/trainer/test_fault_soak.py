@@ -8,15 +8,16 @@ Then the second line of defence, with real engine checkpoints: the uninterrupted
 checkpoint gets a shard whose head is zeroed (same size) and loses its manifest, so no check before
 Ray can tell; the workers' load fails, the run falls back to the previous checkpoint and ends with
 the uninterrupted run's metrics."""
+
 import os
 import random
 import shutil
 
 import pytest
 
+from megarl.trainer import state
 from megarl.trainer.fault_points import Launch
 from megarl.trainer.fault_soak import Soak, max_delta, table
-from megarl.trainer import state
 from megarl.trainer.metrics import read_metrics
 
 

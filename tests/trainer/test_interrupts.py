@@ -1,6 +1,7 @@
 """The signal side of stopping a command (megarl.utils.interrupts), in a plain Python child (no Ray):
 SIGINT works even when inherited ignored, the first SIGINT/SIGTERM runs the graceful path, a second
 one (or an overrunning graceful stop) exits at once with 128 + the signal."""
+
 import os
 import signal
 import subprocess
@@ -9,7 +10,6 @@ import textwrap
 import time
 
 import pytest
-
 from train_helpers import REPO
 
 CHILD = textwrap.dedent("""
@@ -33,15 +33,24 @@ def _start(grace_s: float, cleanup_s: float, ignore_sigint: bool):
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(grace_s), str(cleanup_s)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(grace_s), str(cleanup_s)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
 
-@pytest.mark.parametrize("signum,ignored", [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
-                         ids=["sigint", "sigint-inherited-ignored", "sigterm"])
+@pytest.mark.parametrize(
+    "signum,ignored",
+    [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["sigint", "sigint-inherited-ignored", "sigterm"],
+)
 def test_first_signal_runs_the_graceful_stop_and_exits_128_plus_signal(signum, ignored):
     proc = _start(grace_s=30, cleanup_s=0.2, ignore_sigint=ignored)
     proc.send_signal(signum)

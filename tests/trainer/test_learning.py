@@ -15,16 +15,17 @@ the actor loss, or lr=0.
 
 Two variants, ~45 s each on 2 cores: the embedded rollout engine, and vLLM's CPU build.
 """
+
 import pytest
 import torch
+from train_helpers import run_train
 
 from megarl.rollout import vllm_available
 from megarl.trainer.metrics import read_metrics, validation_summary, zero_variance_share
-from train_helpers import run_train
 
 TEACHER_ERROR = 0.7
-MIN_RISE = 0.4       # greedy validation accuracy, after - before: lr=0 gives exactly 0, a wrong sign < 0
-MIN_FINAL = 0.6      # and the policy must end mostly right (the warm-up starts at ~0.2)
+MIN_RISE = 0.4  # greedy validation accuracy, after - before: lr=0 gives exactly 0, a wrong sign < 0
+MIN_FINAL = 0.6  # and the policy must end mostly right (the warm-up starts at ~0.2)
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +39,35 @@ def habit_task(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("learning")
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model("qwen2", root / "model", vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        root / "model",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     paths = write_task_splits("arithmetic", 400, str(root / "data"), chat=False)
     train, test = (load_rows(paths[split])[0] for split in ("train", "test"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync
     try:
-        sft_warmup(str(root / "model"), sft_examples(off_by_one_teacher(train, TEACHER_ERROR), tok), steps=200,
-                   batch_size=64, lr=3e-3, lr_decay=True)
-        answers = [tok.decode(a, skip_special_tokens=True)
-                   for a in greedy_answers(str(root / "model"), sft_examples(test, tok))]
+        sft_warmup(
+            str(root / "model"),
+            sft_examples(off_by_one_teacher(train, TEACHER_ERROR), tok),
+            steps=200,
+            batch_size=64,
+            lr=3e-3,
+            lr_decay=True,
+        )
+        answers = [
+            tok.decode(a, skip_special_tokens=True)
+            for a in greedy_answers(str(root / "model"), sft_examples(test, tok))
+        ]
     finally:
         torch.set_num_threads(threads)
     right = sum(a == r["ground_truth"] for a, r in zip(answers, test)) / len(test)
@@ -63,11 +81,22 @@ def test_warmup_leaves_the_teachers_habit(habit_task):
 
 
 def learning_run(task: dict, run_dir, engine: str) -> list[dict]:
-    args = [f"model.hf_path={task['model']}", f"data.files=[{task['train']}]", f"validation.files=[{task['test']}]",
-            f"rollout.engine={engine}", f"trainer.run_dir={run_dir}", "trainer.total_steps=20",
-            "trainer.prompts_per_step=16", "rollout.samples_per_prompt=8", "rollout.max_response_tokens=1",
-            "data.max_prompt_tokens=8", "validation.every_steps=10", "trainer.export_hf_at_end=false",
-            "trainer.dump_rollouts_every_steps=0", "trainer.progress_bar=false"]
+    args = [
+        f"model.hf_path={task['model']}",
+        f"data.files=[{task['train']}]",
+        f"validation.files=[{task['test']}]",
+        f"rollout.engine={engine}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.total_steps=20",
+        "trainer.prompts_per_step=16",
+        "rollout.samples_per_prompt=8",
+        "rollout.max_response_tokens=1",
+        "data.max_prompt_tokens=8",
+        "validation.every_steps=10",
+        "trainer.export_hf_at_end=false",
+        "trainer.dump_rollouts_every_steps=0",
+        "trainer.progress_bar=false",
+    ]
     code, out, seconds = run_train("grpo_quickstart.yaml", args)
     assert code == 0, out[-4000:]
     print(f"learning run ({engine}): {seconds:.0f} s")

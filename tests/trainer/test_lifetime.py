@@ -2,6 +2,7 @@
 Ray worker as its setup hook), here without Ray: parent P starts worker W, W arms `die_with_parent`
 and starts child C in a session of its own (so no process-group kill reaches it); P is SIGKILLed,
 as a raylet is when its node or driver goes, and W and C must be gone within seconds."""
+
 import os
 import signal
 import subprocess
@@ -9,8 +10,9 @@ import sys
 import textwrap
 import time
 
-from megarl.testing.processes import TAG_VAR, kill_tagged, tagged, wait_until_gone
 from train_helpers import REPO
+
+from megarl.testing.processes import TAG_VAR, kill_tagged, tagged, wait_until_gone
 
 WORKER = textwrap.dedent("""
     import subprocess, sys, time
@@ -29,8 +31,13 @@ PARENT = textwrap.dedent("""
 
 def test_a_worker_kills_its_children_and_itself_when_its_parent_dies():
     tag = f"lifetime-{os.getpid()}-{time.time_ns()}"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, WORKER], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, WORKER],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), TAG_VAR: tag},
+    )
     try:
         child = int(parent.stdout.readline())
         assert child in {pid for pid, _ in tagged(tag)} and len(tagged(tag)) == 3  # parent, worker, child

@@ -3,6 +3,7 @@ before Ray or any worker starts, and leave an existing run directory exactly as 
 
 `BAD_INPUTS` is the table: (id, how to build the bad input, expected fragment of the one-line error).
 Each `make` gets the tiny task and a fresh tmp dir and returns the `megarl` arguments."""
+
 import json
 import shutil
 import sys
@@ -10,10 +11,10 @@ import time
 
 import pytest
 import torch
+from train_helpers import REPO, overrides
 
 from megarl import cli
 from megarl.trainer import state
-from train_helpers import REPO, overrides
 
 QUICKSTART = str(REPO / "configs/grpo_quickstart.yaml")
 
@@ -77,8 +78,12 @@ def resume_past_total_steps(task, tmp):
 
 def unknown_data_source(task, tmp):
     data = tmp / "mystery.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "mystery"})
-                            + "\n" for i in range(8)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "mystery"}) + "\n"
+            for i in range(8)
+        )
+    )
     return train_args(task, previous_run(tmp / "run"), f"data.files=[{data}]", "validation.files=[]")
 
 
@@ -125,33 +130,57 @@ def convert_onto_its_source(task, tmp):
 
 BAD_INPUTS = [
     ("no-safetensors", no_weights, "train: error: model.hf_path='{tmp}/model' has no safetensors weights"),
-    ("truncated-safetensors", truncated_weights,
-     "train: error: model.hf_path='{tmp}/model': model.safetensors is truncated: its header needs"),
-    ("resume-without-driver-state", resume_without_driver_state,
-     "train: error: trainer.resume='{tmp}/run/checkpoints/step_000003' cannot be resumed from:"
-     " {tmp}/run/checkpoints/step_000003/driver_state.pt is missing: not a complete checkpoint"),
-    ("resume-truncated-distcp", resume_truncated_shard,
-     "{tmp}/run/checkpoints/step_000002/actor/__0_0.distcp has 100 bytes, 300 when the checkpoint was written"
-     " (truncated or replaced). The previous intact checkpoint is {tmp}/run/checkpoints/step_000001:"
-     " set trainer.resume={tmp}/run/checkpoints/step_000001"),
-    ("resume-empty-driver-state", resume_empty_driver_state,
-     "step_000002/driver_state.pt is unreadable (EOFError: Ran out of input; 0 bytes). The previous intact"),
-    ("resume-past-total-steps", resume_past_total_steps,
-     "train: error: trainer.total_steps=3 but the checkpoint to resume from, {tmp}/run/checkpoints/step_000005,"
-     " is at step 5; raise trainer.total_steps"),
-    ("unknown-data-source", unknown_data_source,
-     "train: error: data.files: data_source 'mystery' has no reward function; set reward.reward_fn, or map it"
-     " with reward.data_source_rewards={mystery: <reward>}"),
+    (
+        "truncated-safetensors",
+        truncated_weights,
+        "train: error: model.hf_path='{tmp}/model': model.safetensors is truncated: its header needs",
+    ),
+    (
+        "resume-without-driver-state",
+        resume_without_driver_state,
+        "train: error: trainer.resume='{tmp}/run/checkpoints/step_000003' cannot be resumed from:"
+        " {tmp}/run/checkpoints/step_000003/driver_state.pt is missing: not a complete checkpoint",
+    ),
+    (
+        "resume-truncated-distcp",
+        resume_truncated_shard,
+        "{tmp}/run/checkpoints/step_000002/actor/__0_0.distcp has 100 bytes, 300 when the checkpoint was written"
+        " (truncated or replaced). The previous intact checkpoint is {tmp}/run/checkpoints/step_000001:"
+        " set trainer.resume={tmp}/run/checkpoints/step_000001",
+    ),
+    (
+        "resume-empty-driver-state",
+        resume_empty_driver_state,
+        "step_000002/driver_state.pt is unreadable (EOFError: Ran out of input; 0 bytes). The previous intact",
+    ),
+    (
+        "resume-past-total-steps",
+        resume_past_total_steps,
+        "train: error: trainer.total_steps=3 but the checkpoint to resume from, {tmp}/run/checkpoints/step_000005,"
+        " is at step 5; raise trainer.total_steps",
+    ),
+    (
+        "unknown-data-source",
+        unknown_data_source,
+        "train: error: data.files: data_source 'mystery' has no reward function; set reward.reward_fn, or map it"
+        " with reward.data_source_rewards={mystery: <reward>}",
+    ),
     ("gpu-without-gpus", gpu_without_gpus, "train: error: resources.accelerator=gpu with resources.gpus_per_node="),
     ("run-dir-is-a-file", run_dir_is_a_file, "train: error: trainer.run_dir='{tmp}/run' is a file"),
-    ("run-dir-under-a-file", run_dir_under_a_file,
-     "train: error: trainer.run_dir='{tmp}/file/run' is under {tmp}/file, which is a file"),
+    (
+        "run-dir-under-a-file",
+        run_dir_under_a_file,
+        "train: error: trainer.run_dir='{tmp}/file/run' is under {tmp}/file, which is a file",
+    ),
     ("run-dir-not-writable", run_dir_not_writable, "train: error: trainer.run_dir='/sys' is not writable"),
     ("non-utf8-jsonl", non_utf8_jsonl, "train: error: {tmp}/latin1.jsonl line 2: not UTF-8 text (byte 0xe9"),
     ("garbage-parquet", garbage_parquet, "train: error: {tmp}/garbage.parquet: not a readable parquet file"),
     ("parity-seq-len-0", parity_seq_len_zero, "check-parity: error: --seq-len=0"),
-    ("convert-onto-its-source", convert_onto_its_source,
-     "convert: error: --mcore-path {tmp}/model is the source --hf-path {tmp}/model"),
+    (
+        "convert-onto-its-source",
+        convert_onto_its_source,
+        "convert: error: --mcore-path {tmp}/model is the source --hf-path {tmp}/model",
+    ),
 ]
 
 
@@ -160,8 +189,9 @@ def snapshot(root):
 
 
 @pytest.mark.parametrize("make,expected", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
-def test_bad_input_fails_in_seconds_with_one_line_before_ray_and_touches_nothing(tiny_task, tmp_path, capsys,
-                                                                                   make, expected):
+def test_bad_input_fails_in_seconds_with_one_line_before_ray_and_touches_nothing(
+    tiny_task, tmp_path, capsys, make, expected
+):
     argv = make(tiny_task, tmp_path)
     before = snapshot(tmp_path)
     start = time.perf_counter()

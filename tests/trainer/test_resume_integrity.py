@@ -1,6 +1,7 @@
 """Resume is never blocked by damaged state (no workers: the engines' files are stand-ins written
 here, the workers' load a function): manifests, damaged checkpoints passed over or named, failing
 loads falling back, crash-safe pruning, torn metrics.jsonl lines."""
+
 import json
 
 import pytest
@@ -38,12 +39,19 @@ def test_a_checkpoint_records_its_files_and_an_intact_one_verifies(run):
     assert state.plan_resume("auto", run).directory == directory and state.plan_resume("auto", run).step == 3
 
 
-@pytest.mark.parametrize("damage,named", [
-    (lambda d: truncate(d / "actor/__0_0.distcp"), "actor/__0_0.distcp has 10 bytes"),
-    (lambda d: (d / state.DRIVER_STATE).write_bytes(b""), "driver_state.pt is unreadable (EOFError"),
-    (lambda d: (d / "actor/megarl_checkpoint.json").write_text('{"step": 9}'), "megarl_checkpoint.json does not match"),
-    (lambda d: (d / "actor/__0_0.distcp").unlink(), "actor/__0_0.distcp is missing"),
-], ids=["truncated-shard", "empty-driver-state", "corrupted-small-file", "missing-shard"])
+@pytest.mark.parametrize(
+    "damage,named",
+    [
+        (lambda d: truncate(d / "actor/__0_0.distcp"), "actor/__0_0.distcp has 10 bytes"),
+        (lambda d: (d / state.DRIVER_STATE).write_bytes(b""), "driver_state.pt is unreadable (EOFError"),
+        (
+            lambda d: (d / "actor/megarl_checkpoint.json").write_text('{"step": 9}'),
+            "megarl_checkpoint.json does not match",
+        ),
+        (lambda d: (d / "actor/__0_0.distcp").unlink(), "actor/__0_0.distcp is missing"),
+    ],
+    ids=["truncated-shard", "empty-driver-state", "corrupted-small-file", "missing-shard"],
+)
 def test_auto_passes_over_a_damaged_latest_checkpoint_names_the_file_and_sets_it_aside(run, capsys, damage, named):
     latest = state.step_dir(run, 3)
     damage(latest)
@@ -54,15 +62,20 @@ def test_auto_passes_over_a_damaged_latest_checkpoint_names_the_file_and_sets_it
     assert state.resume_from("auto", run, lambda d: loaded.append(d) or state.load_driver_state(d).step) == 2
     assert loaded == [state.step_dir(run, 2)]
     err = capsys.readouterr().err
-    assert named in err and "continuing from the previous intact checkpoint" in err and str(state.step_dir(run, 2)) in err
+    assert (
+        named in err and "continuing from the previous intact checkpoint" in err and str(state.step_dir(run, 2)) in err
+    )
     assert not latest.exists() and len(list(run.glob("checkpoints/step_000003.damaged-*"))) == 1
     assert [s for s, _ in state.complete_checkpoints(run)] == [1, 2]
 
 
 def test_an_explicit_damaged_checkpoint_names_the_file_and_the_one_to_use_instead(run):
     (state.step_dir(run, 3) / state.DRIVER_STATE).write_bytes(b"")
-    with pytest.raises(state.ResumeError, match=r"driver_state.pt is unreadable .*EOFError.*previous intact checkpoint"
-                                               r" is .*step_000002: set trainer.resume="):
+    with pytest.raises(
+        state.ResumeError,
+        match=r"driver_state.pt is unreadable .*EOFError.*previous intact checkpoint"
+        r" is .*step_000002: set trainer.resume=",
+    ):
         state.plan_resume(str(state.step_dir(run, 3)), run)
 
 
@@ -85,14 +98,19 @@ def test_a_load_that_fails_in_the_workers_falls_back_with_auto_and_names_the_fal
 
     assert state.resume_from("auto", run, load) == 2
     assert "loading checkpoint" in capsys.readouterr().err
-    with pytest.raises(state.ResumeError, match=r"loading .*step_000003 failed \(RuntimeError: CheckpointException.*"
-                                               r"previous intact checkpoint is .*step_000002"):
+    with pytest.raises(
+        state.ResumeError,
+        match=r"loading .*step_000003 failed \(RuntimeError: CheckpointException.*"
+        r"previous intact checkpoint is .*step_000002",
+    ):
         state.resume_from(str(state.step_dir(run, 3)), run, load)
 
     def never_loads(directory):
         raise ValueError("optimizer groups differ")
 
-    with pytest.raises(state.ResumeError, match="no checkpoint of the run loads: .*step_000003.*step_000002.*step_000001"):
+    with pytest.raises(
+        state.ResumeError, match="no checkpoint of the run loads: .*step_000003.*step_000002.*step_000001"
+    ):
         state.resume_from("auto", run, never_loads)
     assert state.resume_from("never", run, never_loads) == 0
 
@@ -120,8 +138,11 @@ def test_metrics_truncation_drops_a_torn_last_line_with_a_warning_and_replaces_t
 
 
 def test_leftovers_of_killed_runs_are_removed_and_checkpoints_kept(run):
-    leftovers = [run / ".hf.incomplete-1-2", state.step_dir(run, 3) / ".actor.incomplete-9-9",
-                 state.checkpoints_dir(run) / ".step_000001.deleting"]
+    leftovers = [
+        run / ".hf.incomplete-1-2",
+        state.step_dir(run, 3) / ".actor.incomplete-9-9",
+        state.checkpoints_dir(run) / ".step_000001.deleting",
+    ]
     for path in leftovers:
         (path / "sub").mkdir(parents=True)
     (run / ".metrics.jsonl.tmp-7").write_text("{}")

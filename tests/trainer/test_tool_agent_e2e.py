@@ -8,14 +8,15 @@ losses finite with a nonzero policy gradient, the dumped rollouts hold assistant
 turns whose tokens the loss does not train on (the mask holes), and the agent metrics reach
 metrics.jsonl.
 """
+
 import json
 
 import pytest
 import torch
+from train_helpers import HERE, REPO, overrides, run_train
 
 from megarl.rollout import vllm_available
 from megarl.trainer.metrics import read_metrics
-from train_helpers import HERE, REPO, overrides, run_train
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
@@ -33,9 +34,18 @@ def tool_task(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tool_task")
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model("qwen2", root / "model", vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        root / "model",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     paths = write_task_splits("tool_arithmetic", 120, str(root / "data"))
     schemas = ToolSet.from_yaml(REPO / "configs" / "tools" / "calculator.yaml").schemas()
     examples = tool_call_examples(load_rows(paths["train"])[0], tok, schemas, call_share=1.0)
@@ -50,14 +60,22 @@ def tool_task(tmp_path_factory):
 
 def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_path):
     run = tmp_path / "run"
-    args = overrides(tool_task, run, "trainer.total_steps=2", "trainer.dump_rollouts_every_steps=1",
-                     "validation.every_steps=0", "trainer.export_hf_at_end=false", "data.apply_chat_template=true",
-                     "rollout.max_response_tokens=128", "rollout.agent.max_assistant_turns=2",
-                     "rollout.temperature=0.5",  # the short warm-up's calls are clean at 0.5 (at 1.0 often garbled)
-                     # rewards that vary within a group (the warmed-up model cannot multiply yet): nonzero
-                     # advantages, so the policy gradient really runs over the masks with holes
-                     f"reward.reward_fn={HERE / 'hash_reward.py'}:reward",
-                     f"rollout.agent.tool_config={REPO / 'configs' / 'tools' / 'calculator.yaml'}")
+    args = overrides(
+        tool_task,
+        run,
+        "trainer.total_steps=2",
+        "trainer.dump_rollouts_every_steps=1",
+        "validation.every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "data.apply_chat_template=true",
+        "rollout.max_response_tokens=128",
+        "rollout.agent.max_assistant_turns=2",
+        "rollout.temperature=0.5",  # the short warm-up's calls are clean at 0.5 (at 1.0 often garbled)
+        # rewards that vary within a group (the warmed-up model cannot multiply yet): nonzero
+        # advantages, so the policy gradient really runs over the masks with holes
+        f"reward.reward_fn={HERE / 'hash_reward.py'}:reward",
+        f"rollout.agent.tool_config={REPO / 'configs' / 'tools' / 'calculator.yaml'}",
+    )
     code, out, seconds = run_train("tool_agent_quickstart.yaml", args)
     assert code == 0, out[-4000:]
     print(f"tool-agent GRPO run: {seconds:.0f} s")
@@ -65,8 +83,13 @@ def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_pa
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert torch.isfinite(torch.tensor(r["actor/loss"])), r
-        for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/masked_token_share",
-                    "agent/trajectories_per_s"):
+        for key in (
+            "agent/turns",
+            "agent/tool_calls",
+            "agent/tool_errors",
+            "agent/masked_token_share",
+            "agent/trajectories_per_s",
+        ):
             assert key in r, (key, sorted(r))
     assert any(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
     assert max(r["agent/tool_calls"] for r in rows) > 0 and max(r["agent/masked_token_share"] for r in rows) > 0
@@ -80,6 +103,6 @@ def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_pa
             if before["role"] == "assistant" and before["tool_calls"] and after["role"] == "tool":
                 assert before["tool_calls"][0]["name"] in ("calculator", "")
                 assert len(after["tool_results"]) == len(before["tool_calls"])
-                assert after["tokens"] > 0 and after["trained_tokens"] == 0   # tool result: a mask hole
+                assert after["tokens"] > 0 and after["trained_tokens"] == 0  # tool result: a mask hole
         assert all(t["trained_tokens"] == t["tokens"] for t in turns if t["role"] == "assistant")
     assert any(t["role"] == "tool" for rec in called for t in rec["turns"])

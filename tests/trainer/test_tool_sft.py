@@ -1,8 +1,10 @@
 """Tool-call SFT demonstrations: the exact token layout of the tool_agent loop, calls vs guesses."""
+
 import asyncio
 import random
 
 import pytest
+from train_helpers import REPO
 
 from megarl.agent import AgentConfig, AgentContext, AgentSample, ReplayLLM, run_agent
 from megarl.agent.tools import ToolSet
@@ -10,7 +12,6 @@ from megarl.data.tasks import make_tool_arithmetic_dataset
 from megarl.data.tokenizer import build_tiny_tokenizer
 from megarl.rollout.base import SamplingParams
 from megarl.trainer.tool_sft import call_text, guessed_answer, tool_call_examples
-from train_helpers import REPO
 
 TOOLS = REPO / "configs" / "tools" / "calculator.yaml"
 
@@ -20,17 +21,30 @@ def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_bui
     from megarl.testing.models import save_tiny_hf_model
 
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model("qwen2", tmp_path, vocab_size=len(tok), hidden_size=64, num_heads=2, num_kv_heads=2,
-                       tokenizer=tok, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id)
+    save_tiny_hf_model(
+        "qwen2",
+        tmp_path,
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=2,
+        tokenizer=tok,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     row = make_tool_arithmetic_dataset(1, seed=4)[0]
-    (call, call_len), (answer, answer_len) = tool_call_examples([row], tok, ToolSet.from_yaml(TOOLS).schemas(),
-                                                                call_share=1.0)
+    (call, call_len), (answer, answer_len) = tool_call_examples(
+        [row], tok, ToolSet.from_yaml(TOOLS).schemas(), call_share=1.0
+    )
     eos = tok.eos_token_id
-    turns = [tok.encode(call_text(row["extra_info"]["expression"]), add_special_tokens=False) + [eos],
-             tok.encode(row["ground_truth"], add_special_tokens=False) + [eos]]
-    ctx = AgentContext(tok, SamplingParams(max_tokens=128, logprobs=True, stop_token_ids=(eos,)),
-                       AgentConfig(tool_config=str(TOOLS)))
+    turns = [
+        tok.encode(call_text(row["extra_info"]["expression"]), add_special_tokens=False) + [eos],
+        tok.encode(row["ground_truth"], add_special_tokens=False) + [eos],
+    ]
+    ctx = AgentContext(
+        tok, SamplingParams(max_tokens=128, logprobs=True, stop_token_ids=(eos,)), AgentConfig(tool_config=str(TOOLS))
+    )
     sample = AgentSample.from_row({"raw_prompt": row["prompt"], "agent_name": "tool_agent"})
     engine = create_engine(str(tmp_path), backend="embedded")  # scores the replayed (teacher) turns
     try:
@@ -39,7 +53,7 @@ def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_bui
         if hasattr(engine, "shutdown"):
             engine.shutdown()
     assert traj.finish_reason == "stop" and traj.metrics["tool_success"] == 1.0
-    assert traj.prompt_ids + traj.response_ids == answer and call == answer[:len(call)]
+    assert traj.prompt_ids + traj.response_ids == answer and call == answer[: len(call)]
     assert call_len == len(traj.prompt_ids) and answer[answer_len:] == turns[1]
     assert traj.reward_extras["final_response"] == row["ground_truth"]
 

@@ -1,11 +1,12 @@
 """`megarl train` refuses bad configs in about a second, naming the field, before Ray or any worker."""
+
 import sys
 import time
 
 import pytest
+from train_helpers import REPO, overrides
 
 from megarl import cli
-from train_helpers import REPO, overrides
 
 BAD = [
     (["actor.layout.tp=1", "trainer.prompts_per_step=3", "rollout.samples_per_prompt=1"], "trainer.prompts_per_step"),
@@ -16,10 +17,16 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("bad,field", BAD, ids=["indivisible", "tp-over-heads", "unknown-estimator", "missing-data",
-                                                "gae-without-critic"])
+@pytest.mark.parametrize(
+    "bad,field", BAD, ids=["indivisible", "tp-over-heads", "unknown-estimator", "missing-data", "gae-without-critic"]
+)
 def test_bad_config_fails_fast_naming_the_field_before_any_worker(tiny_task, tmp_path, capsys, bad, field):
-    args = ["train", "--config", str(REPO / "configs/grpo_quickstart.yaml"), *overrides(tiny_task, tmp_path / "run", *bad)]
+    args = [
+        "train",
+        "--config",
+        str(REPO / "configs/grpo_quickstart.yaml"),
+        *overrides(tiny_task, tmp_path / "run", *bad),
+    ]
     start = time.perf_counter()
     assert cli.main(args) == 2
     seconds = time.perf_counter() - start

@@ -8,6 +8,7 @@ inside step 3, after the step-2 checkpoint, is rerun with the same command; it r
 and step 3's metrics equal the uninterrupted run's. PPO: GAE with a TP1×DP2 critic beside the TP2
 actor, a reference for the KL penalty, critic warm-up.
 """
+
 import json
 import os
 import signal
@@ -16,18 +17,24 @@ import time
 
 import pytest
 import torch
+from train_helpers import HERE, REPO, overrides, run_train, train_command
 
 from megarl.rollout import vllm_available
 from megarl.testing.processes import TAG_VAR, kill_tagged, wait_until_gone
 from megarl.trainer.metrics import read_metrics
-from train_helpers import HERE, REPO, overrides, run_train, train_command
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) is not installed")
 
 # temperature 0.7: the engines' sampling log-probs and the actor's old log-probs are both taken at the
 # sampling temperature (one temperature contract), so their gap is ~0 at any temperature
-GRPO = ["trainer.total_steps=3", "trainer.checkpoint_every_steps=2", "validation.every_steps=2",
-        f"reward.reward_fn={HERE / 'crash_reward.py'}:reward", "reward.timeout_s=30", "rollout.temperature=0.7"]
+GRPO = [
+    "trainer.total_steps=3",
+    "trainer.checkpoint_every_steps=2",
+    "validation.every_steps=2",
+    f"reward.reward_fn={HERE / 'crash_reward.py'}:reward",
+    "reward.timeout_s=30",
+    "rollout.temperature=0.7",
+]
 NOT_COMPARED = ("time/", "perf/")
 
 
@@ -84,14 +91,16 @@ def test_killed_after_checkpoint_resumes_at_next_step_with_equal_metrics(grpo_ru
     env = {**os.environ, "MEGARL_TEST_CRASH_ARMED": str(armed)}
     command = train_command("grpo_quickstart.yaml", overrides(tiny_task, root / "run_b", *GRPO))
     with open(root / "run_b.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         _kill_when_blocked(proc, armed)
     assert (root / "run_b/checkpoints/step_000002/driver_state.pt").is_file()
     assert not (root / "run_b/checkpoints/step_000003").exists()
     armed.unlink()
-    code, out, _ = run_train("grpo_quickstart.yaml", overrides(tiny_task, root / "run_b", *GRPO),
-                             env={"MEGARL_TEST_CRASH_ARMED": str(armed)})
+    code, out, _ = run_train(
+        "grpo_quickstart.yaml", overrides(tiny_task, root / "run_b", *GRPO), env={"MEGARL_TEST_CRASH_ARMED": str(armed)}
+    )
     assert code == 0, out[-4000:]
     assert "resumed from" in out and "(step 2)" in out
     resumed, uninterrupted = step_rows(root / "run_b"), step_rows(root / "run_a")
@@ -113,9 +122,17 @@ def _kill_when_blocked(proc, armed, timeout=300):
 
 
 def test_ppo_gae_with_critic_tp1_dp2_beside_tp2_actor_and_critic_warmup(tiny_task, tmp_path):
-    args = overrides(tiny_task, tmp_path / "ppo", "trainer.total_steps=3", "algorithm.critic_warmup_steps=1",
-                     "trainer.checkpoint_every_steps=0", "trainer.export_hf_at_end=false", "validation.every_steps=0",
-                     "validation.before_train=false", "critic.optim.warmup_steps=0")
+    args = overrides(
+        tiny_task,
+        tmp_path / "ppo",
+        "trainer.total_steps=3",
+        "algorithm.critic_warmup_steps=1",
+        "trainer.checkpoint_every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "validation.every_steps=0",
+        "validation.before_train=false",
+        "critic.optim.warmup_steps=0",
+    )
     code, out, seconds = run_train("ppo_quickstart.yaml", args)
     assert code == 0, out[-4000:]
     print(f"PPO run: {seconds:.0f} s")
@@ -135,11 +152,23 @@ def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path
     """rollout.mode=server: one vLLM server on pool 'rollout', a TP1×DP2 actor on 'main' (only the
     replica of rank 0 gathers; rank 0 broadcasts over a gloo weight group). DAPO dynamic sampling
     with a reward that leaves some groups without variance: every trained group has it."""
-    args = overrides(tiny_task, tmp_path / "server", "trainer.total_steps=2", "trainer.checkpoint_every_steps=0",
-                     "trainer.export_hf_at_end=false", "validation.before_train=false", "validation.every_steps=0",
-                     "resources.gpus_per_node=3", "resources.pools={main: 2, rollout: 1}", "rollout.mode=server",
-                     "rollout.pool=rollout", "actor.layout.tp=1", "algorithm.dapo.filter_groups=true",
-                     f"reward.reward_fn={HERE / 'hash_reward.py'}:reward", "trainer.dump_rollouts_every_steps=1")
+    args = overrides(
+        tiny_task,
+        tmp_path / "server",
+        "trainer.total_steps=2",
+        "trainer.checkpoint_every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+        "resources.gpus_per_node=3",
+        "resources.pools={main: 2, rollout: 1}",
+        "rollout.mode=server",
+        "rollout.pool=rollout",
+        "actor.layout.tp=1",
+        "algorithm.dapo.filter_groups=true",
+        f"reward.reward_fn={HERE / 'hash_reward.py'}:reward",
+        "trainer.dump_rollouts_every_steps=1",
+    )
     code, out, seconds = run_train("grpo_quickstart.yaml", args)
     assert code == 0, out[-4000:]
     rows = step_rows(tmp_path / "server")
@@ -150,7 +179,9 @@ def test_grpo_with_a_vllm_engine_server_and_dynamic_sampling(tiny_task, tmp_path
     assert all(torch.isfinite(torch.tensor(r["actor/loss"])) for r in rows)
     assert all(0 <= r["rollout/score_before_filter"] <= 1 and r["rollout/generation_rounds"] >= 1 for r in rows)
     for step in (1, 2):
-        dump = [json.loads(line) for line in (tmp_path / f"server/rollouts/step_00000{step}.jsonl").read_text().splitlines()]
+        dump = [
+            json.loads(line) for line in (tmp_path / f"server/rollouts/step_00000{step}.jsonl").read_text().splitlines()
+        ]
         groups: dict = {}
         for record in dump:
             groups.setdefault(record["uid"], set()).add(record["score"])
@@ -163,13 +194,25 @@ def test_ctrl_c_stops_the_run_and_names_the_checkpoint_a_rerun_continues_from(ti
     SIGINT at its default and inherited ignored (`megarl train ... &` in a script): the run stops its
     workers within 10 s, names the checkpoint, exits 130, and no process of the run is left."""
     run, tag = tmp_path / "interrupted", f"ctrl-c-{sigint}-{os.getpid()}"
-    args = overrides(tiny_task, run, "trainer.total_steps=200", "trainer.checkpoint_every_steps=1",
-                     "validation.before_train=false", "trainer.export_hf_at_end=false")
+    args = overrides(
+        tiny_task,
+        run,
+        "trainer.total_steps=200",
+        "trainer.checkpoint_every_steps=1",
+        "validation.before_train=false",
+        "trainer.export_hf_at_end=false",
+    )
     ignore = sigint == "inherited-ignored"
     with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(train_command("grpo_quickstart.yaml", args), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, TAG_VAR: tag},
-                                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None)
+        proc = subprocess.Popen(
+            train_command("grpo_quickstart.yaml", args),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, TAG_VAR: tag},
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None,
+        )
         deadline = time.time() + 400
         while not (run / "checkpoints/step_000001/driver_state.pt").exists():
             assert proc.poll() is None and time.time() < deadline, "the run did not reach its first checkpoint"

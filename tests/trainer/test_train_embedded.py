@@ -3,19 +3,29 @@
 ReMax: the advantage estimator declares it needs the greedy baseline, so the loop generates each
 prompt's greedy response and scores it; every sample's advantage is its score minus that baseline.
 """
+
 import json
 
 import torch
+from train_helpers import HERE, overrides, run_train
 
 from megarl.trainer.metrics import read_metrics
-from train_helpers import HERE, overrides, run_train
 
 
 def test_remax_generates_greedy_baselines_and_trains_on_score_minus_baseline(tiny_task, tmp_path):
     run = tmp_path / "remax"
-    args = overrides(tiny_task, run, "rollout.engine=embedded", "algorithm.advantage.estimator=remax",
-                     "trainer.total_steps=2", "trainer.checkpoint_every_steps=0", "trainer.export_hf_at_end=false",
-                     "validation.before_train=false", "validation.every_steps=0", "trainer.dump_rollouts_every_steps=1")
+    args = overrides(
+        tiny_task,
+        run,
+        "rollout.engine=embedded",
+        "algorithm.advantage.estimator=remax",
+        "trainer.total_steps=2",
+        "trainer.checkpoint_every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+        "trainer.dump_rollouts_every_steps=1",
+    )
     code, out, seconds = run_train("grpo_quickstart.yaml", args)
     assert code == 0, out[-4000:]
     print(f"ReMax run (embedded engine): {seconds:.0f} s")
@@ -42,11 +52,22 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
     from judge_reward import JUDGE_SECONDS
 
     run, log = tmp_path / "judge", tmp_path / "judge.log"
-    args = overrides(tiny_task, run, "rollout.engine=embedded", f"reward.batch_reward_fn={HERE / 'judge_reward.py'}:judge",
-                     "reward.num_workers=0", "trainer.total_steps=2", "trainer.checkpoint_every_steps=0",
-                     "trainer.export_hf_at_end=false", "validation.before_train=false", "validation.every_steps=0",
-                     "validation.greedy=false", "validation.temperature=0.7", "validation.samples_per_prompt=2",
-                     "trainer.dump_rollouts_every_steps=0")
+    args = overrides(
+        tiny_task,
+        run,
+        "rollout.engine=embedded",
+        f"reward.batch_reward_fn={HERE / 'judge_reward.py'}:judge",
+        "reward.num_workers=0",
+        "trainer.total_steps=2",
+        "trainer.checkpoint_every_steps=0",
+        "trainer.export_hf_at_end=false",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+        "validation.greedy=false",
+        "validation.temperature=0.7",
+        "validation.samples_per_prompt=2",
+        "trainer.dump_rollouts_every_steps=0",
+    )
     code, out, seconds = run_train("grpo_quickstart.yaml", args, env={"MEGARL_TEST_JUDGE_LOG": str(log)})
     assert code == 0, out[-4000:]
     print(f"batch-reward run (embedded engine): {seconds:.0f} s")
@@ -65,10 +86,12 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
     calls = log.read_text().split()
     assert calls[0::2] == ["megarl-reward_0", "megarl-reward_0", "MainThread"] and calls[1::2] == ["16", "16", "16"]
 
-    code, out, _ = run_train("grpo_quickstart.yaml", [*args, "trainer.val_only=true", "validation.greedy=true",
-                                                      "validation.samples_per_prompt=1"])
+    code, out, _ = run_train(
+        "grpo_quickstart.yaml",
+        [*args, "trainer.val_only=true", "validation.greedy=true", "validation.samples_per_prompt=1"],
+    )
     assert code == 0, out[-4000:]
     after = read_metrics(run / "metrics.jsonl")
-    assert after[:len(rows)] == rows and len(after) == len(rows) + 1  # appended, nothing trained or dropped
+    assert after[: len(rows)] == rows and len(after) == len(rows) + 1  # appended, nothing trained or dropped
     assert after[-1]["step"] == 2 and "val/acc" in after[-1] and not any("reward/score/mean" in r for r in after[-1:])
     assert "resumed from" in out

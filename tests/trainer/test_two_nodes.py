@@ -4,14 +4,15 @@ worker per pool: the pools cannot share a node), so every weight broadcast cross
 worker node is killed mid-run: the driver stops with one line naming the lost node and the
 checkpoint a rerun continues from; the node comes back and the rerun resumes and matches the
 uninterrupted run. Skipped, with the reason, where network namespaces are unavailable."""
+
 import subprocess
 import sys
 
 import pytest
+from train_helpers import HERE, train_command
 
 from megarl.testing.netns import TwoNodes, netns_unavailable
 from megarl.trainer.metrics import read_metrics
-from train_helpers import HERE, train_command
 
 UNAVAILABLE = netns_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"two namespaced Ray nodes: {UNAVAILABLE}")
@@ -19,14 +20,33 @@ NOT_COMPARED = ("time/", "perf/")
 
 
 def two_node_args(task, run_dir, address):
-    return [f"model.hf_path={task['model']}", f"data.files=[{task['train']}]", "validation.files=[]",
-            "data.apply_chat_template=false", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
-            "trainer.progress_bar=false", f"trainer.run_dir={run_dir}", "actor.optim.lr=1e-3",
-            "actor.optim.warmup_steps=0", "rollout.engine=embedded", f"resources.ray_address={address}",
-            "resources.nodes=2", "resources.gpus_per_node=1", "resources.pools={main: 1, rollout: 1}",
-            "rollout.mode=server", "rollout.pool=rollout", "actor.layout.tp=1", "trainer.total_steps=3",
-            "trainer.checkpoint_every_steps=1", "trainer.export_hf_at_end=false", "trainer.dump_rollouts_every_steps=0",
-            "trainer.loggers=[console,jsonl]", f"reward.reward_fn={HERE / 'gate_reward.py'}:reward", "reward.timeout_s=300"]
+    return [
+        f"model.hf_path={task['model']}",
+        f"data.files=[{task['train']}]",
+        "validation.files=[]",
+        "data.apply_chat_template=false",
+        "trainer.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "trainer.progress_bar=false",
+        f"trainer.run_dir={run_dir}",
+        "actor.optim.lr=1e-3",
+        "actor.optim.warmup_steps=0",
+        "rollout.engine=embedded",
+        f"resources.ray_address={address}",
+        "resources.nodes=2",
+        "resources.gpus_per_node=1",
+        "resources.pools={main: 1, rollout: 1}",
+        "rollout.mode=server",
+        "rollout.pool=rollout",
+        "actor.layout.tp=1",
+        "trainer.total_steps=3",
+        "trainer.checkpoint_every_steps=1",
+        "trainer.export_hf_at_end=false",
+        "trainer.dump_rollouts_every_steps=0",
+        "trainer.loggers=[console,jsonl]",
+        f"reward.reward_fn={HERE / 'gate_reward.py'}:reward",
+        "reward.timeout_s=300",
+    ]
 
 
 def train(nodes, task, run_dir, log, env=None):
@@ -35,11 +55,18 @@ def train(nodes, task, run_dir, log, env=None):
 
 def actor_nodes(nodes) -> dict[str, str]:
     """{actor class: node IP} of the cluster's live actors (Ray's actor table, from the head namespace)."""
-    probe = ("import ray, sys; from ray._private import state; ray.init(address=sys.argv[1], log_to_driver=False);"
-             " [print(a['ActorClassName'].split('.')[-1], a['Address']['IPAddress'])"
-             "  for a in state.actors().values() if a['State'] == 'ALIVE']")
-    out = subprocess.run(["ip", "netns", "exec", nodes.head_ns, sys.executable, "-c", probe, nodes.address],
-                         capture_output=True, text=True, env=nodes.env, timeout=120)
+    probe = (
+        "import ray, sys; from ray._private import state; ray.init(address=sys.argv[1], log_to_driver=False);"
+        " [print(a['ActorClassName'].split('.')[-1], a['Address']['IPAddress'])"
+        "  for a in state.actors().values() if a['State'] == 'ALIVE']"
+    )
+    out = subprocess.run(
+        ["ip", "netns", "exec", nodes.head_ns, sys.executable, "-c", probe, nodes.address],
+        capture_output=True,
+        text=True,
+        env=nodes.env,
+        timeout=120,
+    )
     return dict(line.split() for line in out.stdout.splitlines() if line.count(" ") == 1)
 
 
@@ -65,8 +92,13 @@ def test_losing_a_node_mid_run_names_it_and_the_rerun_on_the_restored_cluster_ma
         gate = tmp_path / "gate"  # holds the cut run's reward inside step 3, after the step-2 checkpoint
         gate.touch()
         after = tmp_path / "cut/checkpoints/step_000002/driver_state.pt"
-        cut = train(nodes, tiny_task, tmp_path / "cut", tmp_path / "cut.log",
-                    {"MEGARL_TEST_GATE": str(gate), "MEGARL_TEST_GATE_AFTER": str(after)})
+        cut = train(
+            nodes,
+            tiny_task,
+            tmp_path / "cut",
+            tmp_path / "cut.log",
+            {"MEGARL_TEST_GATE": str(gate), "MEGARL_TEST_GATE_AFTER": str(after)},
+        )
         wait_for(tmp_path / "cut/checkpoints/step_000001/driver_state.pt", cut)
         placed = actor_nodes(nodes)
         assert {placed.get("WorkerHost"), placed.get("EngineServer")} == {nodes.head_ip, nodes.worker_ip}, placed

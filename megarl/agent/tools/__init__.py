@@ -15,6 +15,7 @@ A tool YAML (`AgentConfig.tool_config`):
 
 Imports no torch, vLLM or Ray (bm25s only when a search tool is built).
 """
+
 from megarl.agent.tools import calculator, python, search  # noqa: F401 - register the built-in tools
 from megarl.agent.tools.base import TOOLS, Tool, ToolResult, ToolSession, ToolSet
 

@@ -8,6 +8,7 @@ A tool's methods may be `async def` or plain `def`; plain ones run in a daemon t
 tool does not stall the event loop (and a hung one cannot block the process from exiting).
 Imports pyyaml and jsonschema; no torch, vLLM or Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,9 @@ class Tool:
     def __init__(self, schema: Optional[dict] = None, **config: Any):
         schema = copy.deepcopy(schema or self.default_schema)
         if schema is None:
-            raise ValueError(f"tool {type(self).__name__} has no default schema; give one under 'schema' in the"
-                             " tool YAML")
+            raise ValueError(
+                f"tool {type(self).__name__} has no default schema; give one under 'schema' in the tool YAML"
+            )
         self.schema = check_schema(schema, type(self).__name__)
         self.config = config
 
@@ -84,8 +86,10 @@ def check_schema(schema: dict, where: str) -> dict:
     import jsonschema
 
     if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict):
-        raise ValueError(f"{where}: a tool schema must be {{'type': 'function', 'function': {{'name': ...,"
-                         f" 'parameters': {{...}}}}}} (OpenAI function format), got {schema!r}")
+        raise ValueError(
+            f"{where}: a tool schema must be {{'type': 'function', 'function': {{'name': ...,"
+            f" 'parameters': {{...}}}}}} (OpenAI function format), got {schema!r}"
+        )
     schema.setdefault("type", "function")
     name = schema["function"].get("name")
     if not isinstance(name, str) or not name.isidentifier():
@@ -95,7 +99,9 @@ def check_schema(schema: dict, where: str) -> dict:
         try:
             jsonschema.Draft202012Validator.check_schema(params)
         except jsonschema.SchemaError as err:
-            raise ValueError(f"{where}: function {name!r} has an invalid parameters JSON schema: {err.message}") from None
+            raise ValueError(
+                f"{where}: function {name!r} has an invalid parameters JSON schema: {err.message}"
+            ) from None
     return schema
 
 
@@ -153,8 +159,9 @@ class ToolSet:
             return [t.schema for t in self.tools.values()]
         unknown = [n for n in names if n not in self.tools]
         if unknown:
-            raise ValueError(f"row asks for tools {unknown} that the tool config does not declare; declared:"
-                             f" {self.names()}")
+            raise ValueError(
+                f"row asks for tools {unknown} that the tool config does not declare; declared: {self.names()}"
+            )
         return [self.tools[n].schema for n in names]
 
     def session(self, sample, names: Optional[list[str]] = None) -> "ToolSession":
@@ -173,12 +180,16 @@ def load_tool_entries(path: str | Path) -> list[dict]:
     data = yaml.safe_load(path.read_text()) or {}
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{path}: a tool config needs a non-empty list under 'tools:', each entry"
-                         " {type: <registered tool or pkg.module:Class>, config: {...}, schema: {...}}")
+        raise ValueError(
+            f"{path}: a tool config needs a non-empty list under 'tools:', each entry"
+            " {type: <registered tool or pkg.module:Class>, config: {...}, schema: {...}}"
+        )
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "type" not in entry:
-            raise ValueError(f"{path} tools[{i}]: each tool needs 'type' (one of {TOOLS.names()} or"
-                             f" 'pkg.module:Class'), got {entry!r}")
+            raise ValueError(
+                f"{path} tools[{i}]: each tool needs 'type' (one of {TOOLS.names()} or"
+                f" 'pkg.module:Class'), got {entry!r}"
+            )
         extra = set(entry) - {"type", "config", "schema"}
         if extra:
             raise ValueError(f"{path} tools[{i}]: unknown keys {sorted(extra)}; allowed: type, config, schema")

@@ -3,6 +3,7 @@
 Owns `Calculator`. + - * / // % ** and parentheses on ints and floats; exponents and results are
 bounded so `9**9**9` is refused instead of hanging. Imports only the standard library.
 """
+
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,15 @@ import operator
 
 from megarl.agent.tools.base import TOOLS, Tool
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -19,12 +27,18 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 class Calculator(Tool):
     """Evaluate an arithmetic expression; errors (1/0, bad syntax) raise and become error observations."""
 
-    default_schema = {"type": "function", "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
-    }}
+    default_schema = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
 
     def __init__(self, schema=None, *, max_exponent: int = 100, max_chars: int = 200):
         super().__init__(schema)

@@ -6,6 +6,7 @@ machine allows it) and returns stdout, then stderr (a traceback with only the sc
 status when the run failed.
 Imports only the sandbox (standard library).
 """
+
 from __future__ import annotations
 
 from megarl.agent.tools.base import TOOLS, Tool
@@ -16,11 +17,14 @@ from megarl.rewards.sandbox import SandboxConfig, run_python
 class PythonTool(Tool):
     """Run Python code and return what it printed."""
 
-    default_schema = {"type": "function", "function": {
-        "name": "python",
-        "description": "Run a Python script and return its printed output. State is not kept between calls.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    }}
+    default_schema = {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run a Python script and return its printed output. State is not kept between calls.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
 
     def __init__(self, schema=None, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 8192):
         super().__init__(schema)

@@ -6,6 +6,7 @@ returns more than `max_tool_response_tokens` all become a result whose text the 
 `error` kind the trajectory counts; nothing here raises because of a tool. Calls past
 `max_parallel_calls` in one turn are not run (kind over_limit). Imports jsonschema.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,16 +43,24 @@ class CallResult:
     """The tool's own numbers (ToolResult.metrics)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.id, "text": self.text, "error": self.error,
-                "seconds": round(self.seconds, 6), "reward": self.reward}
+        return {
+            "name": self.name,
+            "id": self.id,
+            "text": self.text,
+            "error": self.error,
+            "seconds": round(self.seconds, 6),
+            "reward": self.reward,
+        }
 
 
 async def run_calls(calls: list[ToolCall], session: ToolSession, config: AgentConfig, tokenizer) -> list[CallResult]:
     """Results in call order; at most `max_parallel_calls` run (concurrently), the rest get over_limit."""
     limit = config.max_parallel_calls
     results = list(await asyncio.gather(*(run_call(c, session, config) for c in calls[:limit])))
-    results += [CallResult(c.name, c.id, f"Error: not run: at most {limit} tool calls are run per turn.", "over_limit")
-                for c in calls[limit:]]
+    results += [
+        CallResult(c.name, c.id, f"Error: not run: at most {limit} tool calls are run per turn.", "over_limit")
+        for c in calls[limit:]
+    ]
     for result in results:
         fit_text(result, config, tokenizer)
     return results
@@ -63,8 +72,12 @@ async def run_call(call: ToolCall, session: ToolSession, config: AgentConfig) ->
         return CallResult(call.name, call.id, f"Error: malformed tool call: {call.error}.", "malformed")
     tool = session.tools.get(call.name)
     if tool is None:
-        return CallResult(call.name, call.id, f"Error: unknown tool {call.name!r}. Available tools:"
-                          f" {', '.join(sorted(session.tools)) or 'none'}.", "unknown")
+        return CallResult(
+            call.name,
+            call.id,
+            f"Error: unknown tool {call.name!r}. Available tools: {', '.join(sorted(session.tools)) or 'none'}.",
+            "unknown",
+        )
     problem = argument_error(call.arguments, tool.parameters)
     if problem is not None:
         return CallResult(call.name, call.id, f"Error: bad arguments for {call.name}: {problem}.", "bad_args")
@@ -72,14 +85,31 @@ async def run_call(call: ToolCall, session: ToolSession, config: AgentConfig) ->
     try:
         output = await asyncio.wait_for(session.execute(tool, call.arguments), config.tool_timeout_s)
     except asyncio.TimeoutError:
-        return CallResult(call.name, call.id, f"Error: {call.name} timed out after {config.tool_timeout_s:g} s.",
-                          "timeout", time.monotonic() - start)
+        return CallResult(
+            call.name,
+            call.id,
+            f"Error: {call.name} timed out after {config.tool_timeout_s:g} s.",
+            "timeout",
+            time.monotonic() - start,
+        )
     except Exception as exc:  # noqa: BLE001 - a tool that raises is an observation, never a crashed step
-        return CallResult(call.name, call.id, f"Error: {call.name} raised {type(exc).__name__}: {exc}", "raised",
-                          time.monotonic() - start)
+        return CallResult(
+            call.name,
+            call.id,
+            f"Error: {call.name} raised {type(exc).__name__}: {exc}",
+            "raised",
+            time.monotonic() - start,
+        )
     result = output if isinstance(output, ToolResult) else ToolResult(_as_text(output))
-    return CallResult(call.name, call.id, _as_text(result.text), None, time.monotonic() - start, float(result.reward),
-                      dict(result.metrics))
+    return CallResult(
+        call.name,
+        call.id,
+        _as_text(result.text),
+        None,
+        time.monotonic() - start,
+        float(result.reward),
+        dict(result.metrics),
+    )
 
 
 def argument_error(arguments: dict, parameters: dict) -> Optional[str]:
@@ -126,6 +156,6 @@ def _cut(seq, keep: int, side: str, mark=None):
     if side == "right":
         return seq[:keep] + mark
     if side == "left":
-        return mark + seq[len(seq) - keep:]
+        return mark + seq[len(seq) - keep :]
     head = keep // 2
-    return seq[:head] + mark + seq[len(seq) - (keep - head):]
+    return seq[:head] + mark + seq[len(seq) - (keep - head) :]

@@ -5,6 +5,7 @@ and `id`) or a .txt file (one document per line); it is indexed once when the to
 `bm25s` (a maintained BM25 library: sparse-matrix scoring, English stop words). A call returns the
 top-k passages, numbered, `title: text`. Imports bm25s and numpy, never numba (see `import_bm25s`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -56,13 +57,18 @@ def load_corpus(path: str | Path) -> list[dict]:
 class SearchTool(Tool):
     """Top-k BM25 passages of the corpus for a query."""
 
-    default_schema = {"type": "function", "function": {
-        "name": "search",
-        "description": "Search the knowledge base and return the most relevant passages.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"},
-                                                        "top_k": {"type": "integer", "minimum": 1, "maximum": 20}},
-                       "required": ["query"]},
-    }}
+    default_schema = {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the knowledge base and return the most relevant passages.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "top_k": {"type": "integer", "minimum": 1, "maximum": 20}},
+                "required": ["query"],
+            },
+        },
+    }
 
     def __init__(self, schema=None, *, corpus: str | None = None, top_k: int = 3, stopwords: str = "en"):
         super().__init__(schema)

@@ -9,7 +9,7 @@ bucket, as it is, to a `protocol.Sender`: `senders.InPlaceSender` (engine in thi
 picks one for an engine. `plan` imports only torch and `megarl.models.mapping`; `protocol` only
 torch and `plan`; no module here imports an engine module.
 """
-from megarl.rollout.sharding.plan import (DEFAULT_BUCKET_BYTES, Bucket, HFSpec, ParamMeta, PlanError, SyncPlan,
-                                          plan_sync)
+
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, Bucket, HFSpec, ParamMeta, PlanError, SyncPlan, plan_sync
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "HFSpec", "ParamMeta", "PlanError", "SyncPlan", "plan_sync"]

@@ -15,6 +15,7 @@ kept per bucket position from update to update) and hand it to their engine's ow
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
 all-gather collects the engines' versions. gloo on CPU (tested), NCCL on GPU.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,8 +35,9 @@ MESSAGE_BYTES = 4096
 class WeightGroup:
     """A process group of the sender (rank 0) and engine receivers (ranks 1..N)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
-                 timeout_s: float = 300.0):
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo", timeout_s: float = 300.0
+    ):
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -69,11 +71,11 @@ class WeightGroup:
 
     def all_gather_messages(self, message: Optional[str]) -> list[Optional[str]]:
         """Every member's message (None: no message); each is cut to MESSAGE_BYTES."""
-        data = (message or "").encode()[:MESSAGE_BYTES - 1]
+        data = (message or "").encode()[: MESSAGE_BYTES - 1]
         mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         if message is not None:
             mine[0] = 1
-            mine[1:1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            mine[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         self.pg.allgather([out], [mine]).wait()
         return [bytes(t[1:].cpu().numpy()).rstrip(b"\0").decode() if t[0] else None for t in out]
@@ -97,8 +99,10 @@ class BroadcastSender:
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
         """Announce the update; raises the first engine's WeightUpdateError (on every member)."""
-        header = {"specs": [(s.name, tuple(s.shape), str(s.dtype).replace("torch.", "")) for s in specs],
-                  "partial": partial}
+        header = {
+            "specs": [(s.name, tuple(s.shape), str(s.dtype).replace("torch.", "")) for s in specs],
+            "partial": partial,
+        }
         self.group.broadcast_object(header)
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
         if failures:
@@ -113,7 +117,7 @@ class BroadcastSender:
             self._control(_BUCKET, bucket.buffer.numel(), new)
             if new:
                 self.group.broadcast_object(layout)
-                self._layouts[position:position + 1] = [layout]
+                self._layouts[position : position + 1] = [layout]
             buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
             self.group.broadcast(buffer)
         self._control(_END)
@@ -181,10 +185,13 @@ class BroadcastReceiver:
             if kind == _END:
                 return
             if new:
-                self._layouts[position:position + 1] = [self.group.broadcast_object()]
+                self._layouts[position : position + 1] = [self.group.broadcast_object()]
             dtype, entries = self._layouts[position]
-            buffer = self._kept.take(position, numel, getattr(torch, dtype), self.group.device) if self._kept \
+            buffer = (
+                self._kept.take(position, numel, getattr(torch, dtype), self.group.device)
+                if self._kept
                 else alloc_flat(numel, getattr(torch, dtype), self.group.device)
+            )
             self.group.broadcast(buffer)
             yield FlatBucket(buffer, tuple(HFSlot(*e) for e in entries))
             position += 1

@@ -25,6 +25,7 @@ Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors.
 Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-typed
 (`check_update`, `load_by_ipc`, `ipc_workers`).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,13 +66,25 @@ class IpcSender:
         """Hand every bucket to the engine's workers by handle; returns the engine's version after it."""
         checked = (check_bucket(b, self._announced) for b in buckets)
         progress = UpdateProgress()
-        return serve_buckets(self.address, self.authkey, checked,
-                             lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
-                             workers=self.workers, progress=progress)
+        return serve_buckets(
+            self.address,
+            self.authkey,
+            checked,
+            lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
+            workers=self.workers,
+            progress=progress,
+        )
 
 
-def serve_buckets(address: str, authkey: bytes, buckets: Iterable[FlatBucket], receive, *, workers: int = 1,
-                  progress: Optional[UpdateProgress] = None):
+def serve_buckets(
+    address: str,
+    authkey: bytes,
+    buckets: Iterable[FlatBucket],
+    receive,
+    *,
+    workers: int = 1,
+    progress: Optional[UpdateProgress] = None,
+):
     """Listen, run `receive()` (which makes `workers` workers connect and load) on a thread, feed them the buckets.
 
     Returns what `receive()` returned. A failure of `receive()` is raised as it is; a failure on
@@ -80,6 +93,7 @@ def serve_buckets(address: str, authkey: bytes, buckets: Iterable[FlatBucket], r
     progress = progress or UpdateProgress()
     result: dict = {}
     with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
+
         def run():
             try:
                 result["value"] = receive()
@@ -169,8 +183,10 @@ def _on_visible_device(rebuild, args: tuple, device_uuid: str) -> tuple:
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
             return args[:6] + (index,) + args[7:]  # args[6] is the storage's device index
-    raise RuntimeError(f"a weight bucket lives on GPU {device_uuid}, which this vLLM worker does not see: its"
-                       " CUDA_VISIBLE_DEVICES must include the GPU of the trainer rank that hosts the engine")
+    raise RuntimeError(
+        f"a weight bucket lives on GPU {device_uuid}, which this vLLM worker does not see: its"
+        " CUDA_VISIBLE_DEVICES must include the GPU of the trainer rank that hosts the engine"
+    )
 
 
 class MegarlWorkerExtension:
@@ -182,6 +198,7 @@ class MegarlWorkerExtension:
 
         names: list[str] = []
         with connect_worker(address, authkey) as conn:
+
             def stream():
                 for bucket in receive_buckets(conn):
                     for name, tensor in bucket.tensors():

@@ -16,6 +16,7 @@ the rollout ranks receive every expert under its global HF name with no EP gathe
 
 Must not import the training engine: it takes model chunks, a `ModelBridge` and process groups.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,10 +57,16 @@ class TrainGroups:
 
         ep_size = ps.get_expert_model_parallel_world_size()
         replica = ps.get_expert_tensor_model_pipeline_parallel_group() if ep_size > 1 else ps.get_model_parallel_group()
-        return cls(ps.get_tensor_model_parallel_group(), replica,
-                   ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                   ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_expert_model_parallel_rank() if ep_size > 1 else 0, ep_size)
+        return cls(
+            ps.get_tensor_model_parallel_group(),
+            replica,
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_rank() if ep_size > 1 else 0,
+            ep_size,
+        )
 
     @property
     def source(self) -> tuple[int, int]:
@@ -80,9 +87,17 @@ class ShardingManager:
     model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
     """
 
-    def __init__(self, bridge, chunks: Sequence[torch.nn.Module], groups: Optional[TrainGroups] = None, *,
-                 rollout_ranks: Optional[Sequence[int]] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 prefetch: int = 1, keep_shared_buffers: bool = True):
+    def __init__(
+        self,
+        bridge,
+        chunks: Sequence[torch.nn.Module],
+        groups: Optional[TrainGroups] = None,
+        *,
+        rollout_ranks: Optional[Sequence[int]] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        prefetch: int = 1,
+        keep_shared_buffers: bool = True,
+    ):
         import torch.distributed as dist
 
         self.bridge = bridge
@@ -108,8 +123,17 @@ class ShardingManager:
                 local[(vp_stage, name)] = param
                 if self.groups.ep_rank and not self.bridge.weight_map.lookup(name, offset).expert:
                     continue  # EP rank 0 reports the parameters every EP rank holds
-                self._metas.append(ParamMeta(name, tuple(param.shape), str(param.dtype).replace("torch.", ""),
-                                             self.groups.pp_rank, vp_stage, offset, self.groups.ep_rank))
+                self._metas.append(
+                    ParamMeta(
+                        name,
+                        tuple(param.shape),
+                        str(param.dtype).replace("torch.", ""),
+                        self.groups.pp_rank,
+                        vp_stage,
+                        offset,
+                        self.groups.ep_rank,
+                    )
+                )
         return local
 
     # -- planning (metadata exchanged once) ---------------------------------------------------
@@ -135,8 +159,14 @@ class ShardingManager:
         self.stage_ranks = grid
         if self._rollout_ranks is None:
             self._rollout_ranks = [grid[(0, 0)][0]]
-        return plan_sync(metas, self.bridge.weight_map, tp_size=g.tp_size, pp_size=g.pp_size,
-                         bucket_bytes=self.bucket_bytes, ep_size=g.ep_size)
+        return plan_sync(
+            metas,
+            self.bridge.weight_map,
+            tp_size=g.tp_size,
+            pp_size=g.pp_size,
+            bucket_bytes=self.bucket_bytes,
+            ep_size=g.ep_size,
+        )
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -163,15 +193,26 @@ class ShardingManager:
         outputs = BufferRing(1, shared=shared)  # the consumer is done with a bucket when it asks for the next
         kept = self.kept if fresh and shared else None
         with torch.no_grad():
-            for bucket, gathered in stream_buckets(plan.buckets, self._local, my_rank=self.rank,
-                                                   stage_ranks=self.stage_ranks, dest_ranks=self._rollout_ranks,
-                                                   my_source=self.groups.source, dims=dims, prefetch=self.prefetch,
-                                                   fresh=fresh, shared=shared, kept=kept):
+            for bucket, gathered in stream_buckets(
+                plan.buckets,
+                self._local,
+                my_rank=self.rank,
+                stage_ranks=self.stage_ranks,
+                dest_ranks=self._rollout_ranks,
+                my_source=self.groups.source,
+                dims=dims,
+                prefetch=self.prefetch,
+                fresh=fresh,
+                shared=shared,
+                kept=kept,
+            ):
                 out = None
                 if bucket.sharded:
-                    out = kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device) \
-                        if kept is not None else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device,
-                                                              fresh=fresh)
+                    out = (
+                        kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device)
+                        if kept is not None
+                        else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh)
+                    )
                 yield unpack_bucket(bucket, gathered, dims, out)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -213,8 +254,10 @@ class ShardingManager:
 
 def _check(sender: Optional[Sender], specs, rank: int) -> None:
     if sender is None:
-        raise ValueError(f"rank {rank} is a rollout rank of the sharding manager but got no sender: pass"
-                         " megarl.rollout.sharding.senders.sender_for(engine) (or a BroadcastSender)")
+        raise ValueError(
+            f"rank {rank} is a rollout rank of the sharding manager but got no sender: pass"
+            " megarl.rollout.sharding.senders.sender_for(engine) (or a BroadcastSender)"
+        )
     sender.check(specs)
 
 

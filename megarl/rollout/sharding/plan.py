@@ -29,6 +29,7 @@ The last stage's copy of tied embeddings is never planned (the first stage's emb
 HF tensor). Virtual pipeline stages are separate chunks of the same stage: their layer offsets
 make the HF layer numbers global.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -184,16 +185,25 @@ class PlanError(ValueError):
     """The training-layout metadata does not describe the model the weight map knows."""
 
 
-def plan_sync(metas: Iterable[ParamMeta], weight_map: WeightMap, *, tp_size: int, pp_size: int,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, ep_size: int = 1) -> SyncPlan:
+def plan_sync(
+    metas: Iterable[ParamMeta],
+    weight_map: WeightMap,
+    *,
+    tp_size: int,
+    pp_size: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ep_size: int = 1,
+) -> SyncPlan:
     """Buckets (≤ `bucket_bytes` gathered bytes each) of HF tensors for one full model, in HF order."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
     planned = _planned_params(metas, weight_map, tp_size, ep_size)
     _check_complete(planned, weight_map)
     sources = [(pp_rank, ep_rank) for pp_rank in range(pp_size) for ep_rank in range(ep_size)]
-    per_source = [_pack_stage([p for p in planned if (p.meta.pp_rank, p.meta.ep_rank) == source], source, tp_size,
-                              bucket_bytes) for source in sources]
+    per_source = [
+        _pack_stage([p for p in planned if (p.meta.pp_rank, p.meta.ep_rank) == source], source, tp_size, bucket_bytes)
+        for source in sources
+    ]
     # Transfer order: round robin over sources, so every stage (and EP rank) packs and sends while
     # the rollout rank unpacks another one's bucket.
     rounds = max((len(s) for s in per_source), default=0)
@@ -202,8 +212,9 @@ def plan_sync(metas: Iterable[ParamMeta], weight_map: WeightMap, *, tp_size: int
     return SyncPlan(buckets, tp_size, pp_size, bucket_bytes)
 
 
-def _planned_params(metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: int,
-                    ep_size: int = 1) -> list[PlannedParam]:
+def _planned_params(
+    metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: int, ep_size: int = 1
+) -> list[PlannedParam]:
     """(mapping, HF specs) for every exported parameter, sorted into HF order (by global layer)."""
     order = {name: i for i, name in enumerate(weight_map.hf_names())}
     out = []
@@ -212,8 +223,10 @@ def _planned_params(metas: Iterable[ParamMeta], weight_map: WeightMap, tp_size: 
             continue
         mapping = weight_map.lookup(meta.name, meta.layer_offset, meta.ep_rank * weight_map.local_experts(ep_size))
         if meta.ep_rank and not mapping.expert:
-            raise PlanError(f"{meta.name} is reported by EP rank {meta.ep_rank}: only EP rank 0 reports"
-                            " parameters that are not routed-expert weights")
+            raise PlanError(
+                f"{meta.name} is reported by EP rank {meta.ep_rank}: only EP rank 0 reports"
+                " parameters that are not routed-expert weights"
+            )
         out.append(PlannedParam(meta, mapping, _hf_specs(meta, mapping, weight_map, tp_size), offset=0))
     return sorted(out, key=lambda p: order[p.mapping.hf[0]])
 
@@ -232,13 +245,17 @@ def _check_complete(planned: Sequence[PlannedParam], weight_map: WeightMap) -> N
     for p in planned:
         for spec in p.hf:
             if spec.name in seen:
-                raise PlanError(f"HF tensor {spec.name} is produced twice (by {seen[spec.name]} and {p.meta});"
-                                " are two ranks reporting the same pipeline stage?")
+                raise PlanError(
+                    f"HF tensor {spec.name} is produced twice (by {seen[spec.name]} and {p.meta});"
+                    " are two ranks reporting the same pipeline stage?"
+                )
             seen[spec.name] = p.meta
     missing = [n for n in weight_map.hf_names() if n not in seen]
     if missing:
-        raise PlanError(f"no training rank holds {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-                        f" ({len(missing)} HF tensors); metadata from every pipeline stage is needed")
+        raise PlanError(
+            f"no training rank holds {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            f" ({len(missing)} HF tensors); metadata from every pipeline stage is needed"
+        )
 
 
 def _pack_stage(params: list[PlannedParam], source: tuple[int, int], tp_size: int, bucket_bytes: int) -> list[Bucket]:

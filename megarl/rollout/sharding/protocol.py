@@ -20,6 +20,7 @@ with buckets made by `bucket_tensors`. Implementations: `senders.InPlaceSender` 
 process), `ipc.IpcSender` (vLLM engine core in a child process), `broadcast.BroadcastSender`
 (engine servers over a weight group); `senders.sender_for(engine)` picks one for an engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class FlatBucket:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view of the buffer) per entry; no copy."""
-        return [(e.name, self.buffer[e.offset:e.offset + e.numel].view(e.shape)) for e in self.entries]
+        return [(e.name, self.buffer[e.offset : e.offset + e.numel].view(e.shape)) for e in self.entries]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,12 +103,14 @@ def check_bucket(bucket: FlatBucket, announced_specs: Optional[dict]) -> FlatBuc
         if want is None or want[0] != tuple(entry.shape) or want[1] != bucket.dtype:
             raise WeightUpdateError(
                 f"tensor {entry.name!r} ({tuple(entry.shape)}, {bucket.dtype}) was not announced as such"
-                f" (announced: {want}); the update is incomplete")
+                f" (announced: {want}); the update is incomplete"
+            )
     return bucket
 
 
-def checked_tensors(buckets: Iterable[FlatBucket], announced_specs: Optional[dict]
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def checked_tensors(
+    buckets: Iterable[FlatBucket], announced_specs: Optional[dict]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view) of every tensor of every bucket, each bucket checked against the announced specs."""
     for bucket in buckets:
         yield from check_bucket(bucket, announced_specs).tensors()
@@ -123,8 +126,9 @@ def alloc_flat(numel: int, dtype: torch.dtype, device, *, shared: bool = False) 
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype)
 
 
-def bucket_tensors(weights: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                   shared: bool = False) -> Iterator[FlatBucket]:
+def bucket_tensors(
+    weights: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, shared: bool = False
+) -> Iterator[FlatBucket]:
     """Flat buckets (≤ bucket_bytes each, or one tensor; one dtype each) of HF tensors, in order.
 
     Each tensor is copied once into a fresh buffer, made lazily bucket by bucket; the engine may
@@ -134,8 +138,9 @@ def bucket_tensors(weights: Sequence[tuple[str, torch.Tensor]], bucket_bytes: in
     used = 0
     for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
-        if group and (tensor.dtype != group[0][1].dtype or tensor.device != group[0][1].device
-                      or used + nbytes > bucket_bytes):
+        if group and (
+            tensor.dtype != group[0][1].dtype or tensor.device != group[0][1].device or used + nbytes > bucket_bytes
+        ):
             yield _flatten(group, shared)
             group, used = [], 0
         group.append((name, tensor))
@@ -149,7 +154,7 @@ def _flatten(group: list[tuple[str, torch.Tensor]], shared: bool) -> FlatBucket:
     buffer = alloc_flat(sum(t.numel() for _, t in group), first.dtype, first.device, shared=shared)
     entries, offset = [], 0
     for name, tensor in group:
-        buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
         entries.append(HFSlot(name, tuple(tensor.shape), offset))
         offset += tensor.numel()
     return FlatBucket(buffer, tuple(entries))

@@ -10,6 +10,7 @@ Engines are duck-typed (`check_update(specs, partial=...)`, `load(weights, versi
 `holds_update_tensors`, `in_process`; `load_by_ipc` for IPC): this module imports no engine, so
 `base.py` can use it without an import circle.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence

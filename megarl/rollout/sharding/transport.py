@@ -21,6 +21,7 @@ every sync). Peak extra memory on a rollout rank:
 (1 + prefetch) gathered buckets + one output bucket (3 × bucket_bytes by default) plus, with
 `fresh`, the buckets the consumer still holds; on a sender: two packed shares of a bucket.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -38,14 +39,17 @@ def pack_bucket(bucket: Bucket, local_params: dict, dims, out: Optional[torch.Te
 
     `local_params` maps (vp_stage, chunk-local name) → the parameter tensor.
     """
-    buf = out if out is not None else torch.empty(bucket.local_numel, dtype=bucket.dtype,
-                                                  device=_device_of(bucket, local_params))
+    buf = (
+        out
+        if out is not None
+        else torch.empty(bucket.local_numel, dtype=bucket.dtype, device=_device_of(bucket, local_params))
+    )
     for p in bucket.params:
         src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
         if bucket.sharded:
-            buf[p.offset:p.offset + p.numel].view(p.meta.shape).copy_(src)
+            buf[p.offset : p.offset + p.numel].view(p.meta.shape).copy_(src)
         else:
-            p.mapping.unshard_to_hf([src], dims, buf[p.offset:p.offset + p.hf_numel])
+            p.mapping.unshard_to_hf([src], dims, buf[p.offset : p.offset + p.hf_numel])
     return buf
 
 
@@ -56,23 +60,32 @@ def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, dims, out: Optional[to
     allocated when None); a replicated bucket is the gathered buffer itself.
     """
     if not bucket.sharded:
-        return FlatBucket(gathered[:bucket.hf_numel], bucket.entries)
+        return FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
     rows = gathered.view(bucket.tp_size, bucket.local_numel)
     if out is None:
         out = torch.empty(bucket.hf_numel, dtype=gathered.dtype, device=gathered.device)
     cursor = 0
     for p in bucket.params:
-        shards = [row[p.offset:p.offset + p.numel].view(p.meta.shape) for row in rows]
-        p.mapping.unshard_to_hf(shards, dims, out[cursor:cursor + p.hf_numel])
+        shards = [row[p.offset : p.offset + p.numel].view(p.meta.shape) for row in rows]
+        p.mapping.unshard_to_hf(shards, dims, out[cursor : cursor + p.hf_numel])
         cursor += p.hf_numel
-    return FlatBucket(out[:bucket.hf_numel], bucket.entries)
+    return FlatBucket(out[: bucket.hf_numel], bucket.entries)
 
 
-def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: int,
-                   stage_ranks: dict[tuple[int, int], Sequence[int]], dest_ranks: Sequence[int],
-                   my_source: Optional[tuple[int, int]], dims, prefetch: int = 1, fresh: bool = False,
-                   shared: bool = False, kept: Optional["KeptBuffers"] = None
-                   ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+def stream_buckets(
+    buckets: Sequence[Bucket],
+    local_params: dict,
+    *,
+    my_rank: int,
+    stage_ranks: dict[tuple[int, int], Sequence[int]],
+    dest_ranks: Sequence[int],
+    my_source: Optional[tuple[int, int]],
+    dims,
+    prefetch: int = 1,
+    fresh: bool = False,
+    shared: bool = False,
+    kept: Optional["KeptBuffers"] = None,
+) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer) on rollout ranks.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
@@ -92,8 +105,18 @@ def stream_buckets(buckets: Sequence[Bucket], local_params: dict, *, my_rank: in
             _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, send_slots)
         if my_rank in dest_ranks:
             while len(posted) <= prefetch and (nxt := next(to_post, None)) is not None:
-                posted.append(_post_receive(nxt, local_params, dims, my_rank, stage_ranks, recv_slots,
-                                            fresh=fresh and not nxt.sharded, kept=kept))
+                posted.append(
+                    _post_receive(
+                        nxt,
+                        local_params,
+                        dims,
+                        my_rank,
+                        stage_ranks,
+                        recv_slots,
+                        fresh=fresh and not nxt.sharded,
+                        kept=kept,
+                    )
+                )
             yield _finish_receive(*posted.popleft())
     for works, _ in sends:
         for work in works:
@@ -156,8 +179,7 @@ def _sources(bucket: Bucket, stage_ranks) -> list[int]:
     return list(stage) if bucket.sharded else [stage[0]]
 
 
-def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends: deque,
-                 slots: BufferRing) -> None:
+def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends: deque, slots: BufferRing) -> None:
     """Pack this rank's shards and isend them to every other rollout rank (at most 2 buckets in flight)."""
     import torch.distributed as dist
 
@@ -169,21 +191,26 @@ def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, s
     while len(sends) >= 2:  # the oldest buffer is about to be reused
         for work in sends.popleft()[0]:
             work.wait()
-    buf = pack_bucket(bucket, local_params, dims, slots.take(bucket.local_numel, bucket.dtype,
-                                                               _device_of(bucket, local_params)))
+    buf = pack_bucket(
+        bucket, local_params, dims, slots.take(bucket.local_numel, bucket.dtype, _device_of(bucket, local_params))
+    )
     sends.append(([dist.isend(buf, dst=d, tag=bucket.index) for d in targets], buf))
 
 
-def _post_receive(bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool,
-                  kept: Optional[KeptBuffers] = None):
+def _post_receive(
+    bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers] = None
+):
     """Take a gathered buffer [rows, local_numel]; irecv every remote row, pack our own."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
     device = _device_of(bucket, local_params) if my_rank in sources else _default_device()
     numel = len(sources) * bucket.local_numel
-    flat = kept.take(("gathered", bucket.index), numel, bucket.dtype, device) if fresh and kept is not None \
+    flat = (
+        kept.take(("gathered", bucket.index), numel, bucket.dtype, device)
+        if fresh and kept is not None
         else slots.take(numel, bucket.dtype, device, fresh=fresh)
+    )
     gathered = flat.view(len(sources), -1)
     works = []
     for row, src in enumerate(sources):

@@ -8,6 +8,7 @@
 
 Pure Python: imports neither torch, numpy, Ray, megatron nor vLLM, and nothing from megarl outside this package.
 """
+
 from megarl.utils.simulate.model import Async, Costs, Decode, Layout, Lengths, SimConfig
 from megarl.utils.simulate.schedules import Result, simulate_async, simulate_sync
 

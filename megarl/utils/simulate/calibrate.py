@@ -17,6 +17,7 @@ pool's GPUs / rollout.tp engines; colocated: every GPU).
 
 Pure Python (reads JSON and YAML); imports nothing from megarl outside this package.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ def read_rows(run_dir: str | Path) -> list[dict]:
     if not rows:
         raise ValueError(f"--calibrate {run_dir}: metrics.jsonl has no training step with time/step and time/generate")
     if any("async/staleness_max" in r for r in rows):
-        raise ValueError(f"--calibrate {run_dir}: an asynchronous run; calibrate from a trainer.mode=sync run "
-                         "(its phases do not overlap, so their times are the model's constants)")
+        raise ValueError(
+            f"--calibrate {run_dir}: an asynchronous run; calibrate from a trainer.mode=sync run "
+            "(its phases do not overlap, so their times are the model's constants)"
+        )
     return rows
 
 
@@ -120,8 +123,9 @@ def fit_lengths(mean: float, max_geo: float, clip: float, cap: int, batch: int) 
     return Lengths(median=mean * math.exp(-sigma * sigma / 2), sigma=sigma, max_tokens=cap)
 
 
-def calibrate(run_dir: str | Path, max_seqs: int = 256, layout: Optional[Layout] = None, skip_steps: int = 1,
-              **overrides) -> SimConfig:
+def calibrate(
+    run_dir: str | Path, max_seqs: int = 256, layout: Optional[Layout] = None, skip_steps: int = 1, **overrides
+) -> SimConfig:
     """A `SimConfig` fitted to a synchronous run (see the module docstring), its first `skip_steps` steps left
     out (start-up, compilation) when it has more; `overrides`: SimConfig fields (prompts_per_step,
     samples_per_prompt, ...) that the run's config.yaml lacks or that should differ."""
@@ -131,19 +135,33 @@ def calibrate(run_dir: str | Path, max_seqs: int = 256, layout: Optional[Layout]
     prompts = overrides.pop("prompts_per_step", None) or trainer.get("prompts_per_step")
     n = overrides.pop("samples_per_prompt", None) or rollout.get("samples_per_prompt")
     if not prompts or not n:
-        raise ValueError(f"--calibrate {run_dir}: no config.yaml with trainer.prompts_per_step and "
-                         "rollout.samples_per_prompt; pass --prompts-per-step and --samples-per-prompt")
+        raise ValueError(
+            f"--calibrate {run_dir}: no config.yaml with trainer.prompts_per_step and "
+            "rollout.samples_per_prompt; pass --prompts-per-step and --samples-per-prompt"
+        )
     layout = layout or layout_of(config, max_seqs)
     batch = prompts * n
     cap = int(rollout.get("max_response_tokens") or max(r["response_length/max"] for r in rows))
-    lengths = fit_lengths(fmean(r["response_length/mean"] for r in rows),
-                          math.exp(fmean(math.log(max(1.0, r["response_length/max"])) for r in rows)),
-                          fmean(r.get("response_length/clip_ratio", 0.0) for r in rows), cap, batch)
+    lengths = fit_lengths(
+        fmean(r["response_length/mean"] for r in rows),
+        math.exp(fmean(math.log(max(1.0, r["response_length/max"])) for r in rows)),
+        fmean(r.get("response_length/clip_ratio", 0.0) for r in rows),
+        cap,
+        batch,
+    )
     sync = fmean(r.get("time/weight_sync", 0.0) for r in rows)
     train = fmean((r["time/step"] - r["time/generate"] - r.get("time/weight_sync", 0.0)) / batch for r in rows)
     decode = fit_decode(rows, batch / layout.engines)
-    return SimConfig(layout=layout, lengths=lengths, decode=decode, costs=Costs(max(0.0, train), sync),
-                     prompts_per_step=prompts, samples_per_prompt=n, name=f"calibrated on {run_dir}", **overrides)
+    return SimConfig(
+        layout=layout,
+        lengths=lengths,
+        decode=decode,
+        costs=Costs(max(0.0, train), sync),
+        prompts_per_step=prompts,
+        samples_per_prompt=n,
+        name=f"calibrated on {run_dir}",
+        **overrides,
+    )
 
 
 def measured_samples_per_s(run_dir: str | Path, batch: int, skip: int = 1) -> float:

@@ -6,6 +6,7 @@ two events (a sequence finishing, one arriving, a pause) the occupancy is consta
 in one jump: work is O(sequences * log) however long the responses are. Pure Python; imports nothing from
 megarl but the model.
 """
+
 from __future__ import annotations
 
 import heapq

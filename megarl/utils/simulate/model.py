@@ -3,6 +3,7 @@
 Owns the dataclasses a simulation is built from (`SimConfig` and its parts) and the length sampler.
 Pure Python (no torch, numpy, Ray); imports nothing from megarl.
 """
+
 from __future__ import annotations
 
 import math
@@ -124,8 +125,10 @@ class SimConfig:
 
     def __post_init__(self):
         if self.layout.engines < 1:
-            raise ValueError(f"layout: rollout_gpus={self.layout.rollout_gpus} < engine_tp={self.layout.engine_tp}: "
-                             "no engine fits; give the rollout at least engine_tp GPUs")
+            raise ValueError(
+                f"layout: rollout_gpus={self.layout.rollout_gpus} < engine_tp={self.layout.engine_tp}: "
+                "no engine fits; give the rollout at least engine_tp GPUs"
+            )
         if self.steps <= self.warmup_steps:
             raise ValueError(f"steps={self.steps} must exceed warmup_steps={self.warmup_steps}")
         if min(self.prompts_per_step, self.samples_per_prompt, self.layout.max_seqs_per_engine) < 1:

@@ -21,6 +21,7 @@ AReaL up to 2.77x (arXiv 2505.24298), verl's fully-async trainer 2.35-2.67x (ver
 
 Pure Python; imports nothing from megarl outside this package.
 """
+
 from __future__ import annotations
 
 from megarl.utils.simulate.model import Costs, Decode, Layout, Lengths, SimConfig
@@ -30,8 +31,14 @@ H100_BF16_TFLOPS = 989.0
 PUBLISHED = {"AReaL (up to)": 2.77, "verl fully-async (low)": 2.35, "verl fully-async (high)": 2.67}
 
 
-def train_s_per_sample(params: float, tokens_per_sample: float, gpus: int, mfu: float = 0.35,
-                       peak_tflops: float = H100_BF16_TFLOPS, flops_per_param_token: float = 10.0) -> float:
+def train_s_per_sample(
+    params: float,
+    tokens_per_sample: float,
+    gpus: int,
+    mfu: float = 0.35,
+    peak_tflops: float = H100_BF16_TFLOPS,
+    flops_per_param_token: float = 10.0,
+) -> float:
     """Seconds of trainer work per sample from FLOPs: flops_per_param_token * N * tokens at `mfu` of the peak."""
     return flops_per_param_token * params * tokens_per_sample / (gpus * peak_tflops * 1e12 * mfu)
 
@@ -41,8 +48,17 @@ def _seven_b(tp: int) -> SimConfig:
     decode = Decode(base_s=0.007, per_seq_s=0.00015) if tp == 1 else Decode(base_s=0.0045, per_seq_s=0.00008)
     layout = Layout(rollout_gpus=32, train_gpus=32, engine_tp=tp, max_seqs_per_engine=128 * tp)
     train = train_s_per_sample(PARAMS_7B, 500 + lengths.mean(), layout.train_gpus)
-    return SimConfig(layout=layout, lengths=lengths, decode=decode, costs=Costs(train, 5.0), prompts_per_step=128,
-                     samples_per_prompt=16, steps=12, warmup_steps=2, name=f"7B on 64 H100 (32 rollout, TP{tp})")
+    return SimConfig(
+        layout=layout,
+        lengths=lengths,
+        decode=decode,
+        costs=Costs(train, 5.0),
+        prompts_per_step=128,
+        samples_per_prompt=16,
+        steps=12,
+        warmup_steps=2,
+        name=f"7B on 64 H100 (32 rollout, TP{tp})",
+    )
 
 
 PRESETS = {"7b-64gpu": lambda: _seven_b(1), "7b-64gpu-tp2": lambda: _seven_b(2)}

@@ -16,6 +16,7 @@ the asynchronous schedule is the synchronous one, event for event.
 
 Pure Python; imports nothing from megarl but this package.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -89,15 +90,22 @@ def _totals(engines: list[SimEngine]) -> tuple[float, float]:
     return sum(e.busy_s for e in engines), sum(e.seq_s for e in engines)
 
 
-def _window_result(cfg: SimConfig, name: str, ends: list[float], engine: tuple[float, float],
-                   trainer_busy: float) -> Result:
+def _window_result(
+    cfg: SimConfig, name: str, ends: list[float], engine: tuple[float, float], trainer_busy: float
+) -> Result:
     """Throughput and idle shares over the updates after the warm-up; `engine`: (busy, sequence) seconds."""
     window = ends[-1] - ends[cfg.warmup_steps]
     updates = cfg.steps - cfg.warmup_steps
     slots = cfg.layout.engines * window
-    return Result(name, samples_per_s=updates * cfg.batch_samples / window, step_s=window / updates,
-                  engine_idle_share=1.0 - engine[0] / slots, trainer_idle_share=1.0 - trainer_busy / window,
-                  occupancy=engine[1] / (slots * cfg.layout.max_seqs_per_engine), update_end_s=list(ends))
+    return Result(
+        name,
+        samples_per_s=updates * cfg.batch_samples / window,
+        step_s=window / updates,
+        engine_idle_share=1.0 - engine[0] / slots,
+        trainer_idle_share=1.0 - trainer_busy / window,
+        occupancy=engine[1] / (slots * cfg.layout.max_seqs_per_engine),
+        update_end_s=list(ends),
+    )
 
 
 def simulate_sync(cfg: SimConfig) -> Result:
@@ -288,8 +296,10 @@ class _AsyncRun:
         m * prompts_per_step of them due within m updates, for m = 0 .. max_staleness."""
         taken = {g.index for g in batch}
         deadlines = [g.version + self.knobs.max_staleness for i, g in self.out.items() if i not in taken]
-        return all(sum(d <= self.version + m for d in deadlines) <= m * self.cfg.prompts_per_step
-                   for m in range(self.knobs.max_staleness + 1))
+        return all(
+            sum(d <= self.version + m for d in deadlines) <= m * self.cfg.prompts_per_step
+            for m in range(self.knobs.max_staleness + 1)
+        )
 
     def result(self) -> Result:
         busy, seqs = _totals(self.engines)
