@@ -88,7 +88,7 @@ def test_tool_agent_grpo_with_vllm_trains_on_model_tokens_only(tool_task, tmp_pa
             "agent/tool_calls",
             "agent/tool_errors",
             "agent/masked_token_share",
-            "agent/trajectories_per_s",
+            "perf/trajectories_per_s",
         ):
             assert key in r, (key, sorted(r))
     assert any(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
