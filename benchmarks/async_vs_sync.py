@@ -65,22 +65,10 @@ def prepare(root: Path) -> dict:
     """The tiny random policy and the arithmetic prompts (as the trainer tests build them)."""
     from megarl.data.tasks import write_task_splits
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model(
-        "qwen2",
-        root / "model",
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_position_embeddings=1024,
-    )
+    save_tiny_policy(root / "model", tok, max_position_embeddings=1024)
     paths = write_task_splits("arithmetic", 200, str(root / "data"), chat=False)
     return {"model": str(root / "model"), **paths}
 

@@ -82,6 +82,14 @@ def tiny_hf_config(
     return AutoConfig.for_model(arch, **common)
 
 
+def save_tiny_policy(path: str | Path, tokenizer, *, seed: int = 0, **config_kwargs):
+    """The tests' tiny policy: a Qwen2 with 2 heads of 32 (hidden 64; vLLM needs head_dim >= 32) sized to
+    `tokenizer` (vocabulary and special token ids), saved with it to `path`; `config_kwargs` override."""
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=2)
+    save_tiny_hf_model("qwen2", path, seed=seed, tokenizer=tokenizer, **{**sizes, **ids, **config_kwargs})
+
+
 def save_tiny_hf_model(arch: str, path: str | Path, *, seed: int = 0, tokenizer=None, **config_kwargs):
     """Build a randomly initialised tiny model of family `arch` and `save_pretrained` it to `path`."""
     from transformers import AutoModelForCausalLM

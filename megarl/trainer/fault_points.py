@@ -73,21 +73,10 @@ def make_task(root: Path) -> dict:
     """The tiny policy (Qwen2, 2 layers, hidden 64) with the character tokenizer and arithmetic prompts."""
     from megarl.data.tasks import write_task_splits
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model(
-        "qwen2",
-        root / "model",
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    save_tiny_policy(root / "model", tok)
     return {"model": str(root / "model"), **write_task_splits("arithmetic", 200, str(root / "data"), chat=False)}
 
 

@@ -9,21 +9,10 @@ def tiny_task(tmp_path_factory):
     """{"model": dir, "train": parquet, "test": parquet}."""
     from megarl.data.tasks import write_task_splits
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     root = tmp_path_factory.mktemp("trainer_task")
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model(
-        "qwen2",
-        root / "model",
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    save_tiny_policy(root / "model", tok)
     paths = write_task_splits("arithmetic", 200, str(root / "data"), chat=False)
     return {"model": str(root / "model"), **paths}

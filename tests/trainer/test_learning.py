@@ -34,23 +34,12 @@ def habit_task(tmp_path_factory):
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
     from megarl.trainer.sft import greedy_answers, off_by_one_teacher, sft_examples, sft_warmup
 
     root = tmp_path_factory.mktemp("learning")
     tok = build_tiny_tokenizer()
-    save_tiny_hf_model(
-        "qwen2",
-        root / "model",
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    save_tiny_policy(root / "model", tok)
     paths = write_task_splits("arithmetic", 400, str(root / "data"), chat=False)
     train, test = (load_rows(paths[split])[0] for split in ("train", "test"))
     threads = torch.get_num_threads()

@@ -28,24 +28,13 @@ def tool_task(tmp_path_factory):
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
     from megarl.trainer.sft import sft_warmup
     from megarl.trainer.tool_sft import tool_call_examples
 
     root = tmp_path_factory.mktemp("tool_task")
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model(
-        "qwen2",
-        root / "model",
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    save_tiny_policy(root / "model", tok)
     paths = write_task_splits("tool_arithmetic", 120, str(root / "data"))
     schemas = ToolSet.from_yaml(REPO / "configs" / "tools" / "calculator.yaml").schemas()
     examples = tool_call_examples(load_rows(paths["train"])[0], tok, schemas, call_share=1.0)

@@ -18,21 +18,10 @@ TOOLS = REPO / "configs" / "tools" / "calculator.yaml"
 
 def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_builds(tmp_path):
     from megarl.rollout import create_engine
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     tok = build_tiny_tokenizer(chat_template="compact_tools")
-    save_tiny_hf_model(
-        "qwen2",
-        tmp_path,
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=2,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    save_tiny_policy(tmp_path, tok)
     row = make_tool_arithmetic_dataset(1, seed=4)[0]
     (call, call_len), (answer, answer_len) = tool_call_examples(
         [row], tok, ToolSet.from_yaml(TOOLS).schemas(), call_share=1.0
