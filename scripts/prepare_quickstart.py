@@ -27,25 +27,13 @@ TASK = dict(num_operands=3, max_operand=9, chat=False)
 
 def build_model(model_dir: Path, seed: int):
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     tok = build_tiny_tokenizer()
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_tiny_hf_model(
-        "qwen2",
-        model_dir,
-        seed=seed,
-        vocab_size=len(tok),
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=4,
-        intermediate_size=256,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+    save_tiny_policy(
+        model_dir, tok, seed=seed, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256
     )
     return tok
 

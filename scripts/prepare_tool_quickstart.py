@@ -30,26 +30,21 @@ TOOLS_YAML = REPO / "configs" / "tools" / "calculator.yaml"
 
 def build_model(model_dir: Path, seed: int):
     from megarl.data.tokenizer import build_tiny_tokenizer
-    from megarl.testing.models import save_tiny_hf_model
+    from megarl.testing.models import save_tiny_policy
 
     tok = build_tiny_tokenizer(chat_template="compact_tools")
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_tiny_hf_model(
-        "qwen2",
+    save_tiny_policy(
         model_dir,
+        tok,
         seed=seed,
-        vocab_size=len(tok),
         hidden_size=128,
         num_layers=2,
         num_heads=4,
         num_kv_heads=4,
         intermediate_size=256,
         max_position_embeddings=512,
-        tokenizer=tok,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
     return tok
 
