@@ -147,7 +147,7 @@ def test_no_request_is_lost_when_an_engine_pauses_in_mode_abort(rollout_models):
 
     from megarl.rollout.embedded import EmbeddedEngine
 
-    LONG = 48
+    LONG = 200  # long enough that it is still running when polled and aborted
     engines = [EmbeddedEngine(rollout_models["llama"]), EmbeddedEngine(rollout_models["llama"])]
     expected = engines[1].generate_sync([[1, 5, 9]], greedy(LONG))[0][0].token_ids
 
@@ -162,6 +162,7 @@ def test_no_request_is_lost_when_an_engine_pauses_in_mode_abort(rollout_models):
 
         task = asyncio.ensure_future(router.run("r", "s", call))
         while engines[0].num_requests == 0:  # in flight (queued or running) on engine 0
+            assert not task.done(), "the request finished before it was seen in flight"
             await asyncio.sleep(0.01)
         with pytest.raises(ValueError, match="already outstanding"):
             await router.run("r", None, call)

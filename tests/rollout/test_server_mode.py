@@ -7,6 +7,7 @@ serving its previous version.
 """
 
 import sys
+import time
 
 import pytest
 import torch
@@ -151,8 +152,20 @@ def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, 
             server.generate.remote([1, 6, 9], short, request_id="short", session_id="s"),
         ]
         hosted = [request("generate", [1, 5, 9], long, "long"), request("generate", [1, 6, 9], short, "short")]
-        while await server.num_requests.remote() < 2 or await host.call.remote("engine.num_requests") < 2:
-            await asyncio.sleep(0.05)  # both in flight (queued or running: an abort ends either)
+
+        async def long_in_flight(in_flight, short_ref):
+            # Both in flight (queued or running: an abort ends either), or the 4-token request already
+            # done and the 240-token one still going — polling may miss the moment both ran together.
+            short_done = bool(ray.wait([short_ref], timeout=0)[0])
+            return await in_flight >= (1 if short_done else 2)
+
+        deadline = time.monotonic() + 120
+        while not (
+            await long_in_flight(server.num_requests.remote(), served[1])
+            and await long_in_flight(host.call.remote("engine.num_requests"), hosted[1])
+        ):
+            assert time.monotonic() < deadline, "the long requests never showed as in flight"
+            await asyncio.sleep(0.05)
         await asyncio.gather(server.abort.remote(["long"]), request("abort", ["long"]))
         return await asyncio.gather(*served), await asyncio.gather(*hosted)
 
