@@ -3,12 +3,15 @@
 
     python benchmarks/quickstart.py                  # GRPO, seeds 0, 1, 2 (the README's figures)
     python benchmarks/quickstart.py --ppo            # the PPO quickstart, same criterion
+    python benchmarks/quickstart.py --tool           # the tool quickstart (agent loop + calculator)
     python benchmarks/quickstart.py --seeds 1 --run-dir runs/bench_qs trainer.total_steps=50   # overrides pass through
 
 Each seed is a whole quickstart: its own tiny model, data split, warm-up and trainer seed. Per seed it
 prints the greedy validation accuracy before training (the baseline: the same run's step-0
 validation) and after, the rise, the share of prompt groups without reward variance over the first
 and last 10 steps, and the seconds of the training command alone (setup and warm-up excluded).
+With --tool it also prints the share of greedy validation trajectories whose tool call succeeded
+(`val/agent/tool_success`) before and after.
 Then the median and range over the seeds, and the criterion of the quickstart: a median rise of at
 least 0.25, every seed at least 0.15, training at most 180 s on 2 CPU cores. Step time is split into
 generation, worker phases (log-probs, values, updates, weight sync) and the driver's overhead.
@@ -30,6 +33,11 @@ sys.path.insert(0, str(REPO))
 from megarl.trainer.metrics import GENERATION_PHASES, WORKER_PHASES, read_metrics, validation_summary  # noqa: E402
 
 CRITERION = {"median_rise": 0.25, "min_rise": 0.15, "max_train_s": 180.0}
+SCRIPTS = {
+    "GRPO": ["scripts/quickstart.sh"],
+    "PPO": ["scripts/quickstart.sh", "--ppo"],
+    "tool": ["scripts/tool_quickstart.sh"],
+}
 
 
 def phase_shares(rows: list[dict]) -> dict:
@@ -56,9 +64,15 @@ def zero_variance(rows: list[dict], window: int = 10) -> tuple[float, float]:
     return statistics.mean(shares[:window]), statistics.mean(shares[-window:])
 
 
-def run_seed(seed: int, run_dir: str, ppo: bool, overrides: list[str]) -> dict:
+def tool_success(rows: list[dict]) -> tuple[float, float]:
+    """`val/agent/tool_success` at the first and the last validation (nan without agent metrics)."""
+    values = [r["val/agent/tool_success"] for r in rows if "val/agent/tool_success" in r]
+    return (values[0], values[-1]) if values else (float("nan"), float("nan"))
+
+
+def run_seed(seed: int, run_dir: str, algo: str, overrides: list[str]) -> dict:
     """One whole quickstart; its validation before/after, training seconds and phase shares."""
-    command = ["bash", "scripts/quickstart.sh", *(["--ppo"] if ppo else []), "--seed", str(seed), run_dir, *overrides]
+    command = ["bash", *SCRIPTS[algo], "--seed", str(seed), run_dir, *overrides]
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True)
     wall = time.perf_counter() - start
@@ -70,10 +84,11 @@ def run_seed(seed: int, run_dir: str, ppo: bool, overrides: list[str]) -> dict:
         sys.exit(f"seed {seed}: no validation in {run_dir}/metrics.jsonl (is validation.files set?)")
     (s0, _, acc0), (s1, _, acc1) = summary
     train_s = next(
-        (float(line.split()[-2]) for line in proc.stdout.splitlines() if line.startswith("[quickstart] train took")),
+        (float(line.split()[-2]) for line in proc.stdout.splitlines() if "quickstart] train took" in line),
         float("nan"),
     )
     zv_first, zv_last = zero_variance(rows)
+    tools_before, tools_after = tool_success(rows)
     return {
         "seed": seed,
         "before": acc0,
@@ -85,6 +100,8 @@ def run_seed(seed: int, run_dir: str, ppo: bool, overrides: list[str]) -> dict:
         "wall_s": wall,
         "zero_var_first": zv_first,
         "zero_var_last": zv_last,
+        "tools_before": tools_before,
+        "tools_after": tools_after,
         **phase_shares(rows),
     }
 
@@ -96,7 +113,7 @@ def summarize(results: list[dict]) -> dict:
         values = [r[key] for r in results]
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-    out = {key: spread(key) for key in ("before", "after", "rise", "train_s")}
+    out = {key: spread(key) for key in ("before", "after", "rise", "train_s", "tools_before", "tools_after")}
     out["criterion_met"] = (
         out["rise"]["median"] >= CRITERION["median_rise"]
         and out["rise"]["min"] >= CRITERION["min_rise"]
@@ -117,11 +134,13 @@ def report(results: list[dict], summary: dict, algo: str) -> None:
             f" {r['zero_var_first']:.2f} (first 10 steps) -> {r['zero_var_last']:.2f} (last 10);"
             f" training {r['train_s']:.0f} s (whole script {r['wall_s']:.0f} s); step time {r['step_s']:.0f} s:"
             f" generation {r['generation']:.0%}, workers {r['workers']:.0%}, driver {r['driver']:.0%}"
+            + (f"; tool success {r['tools_before']:.2f} -> {r['tools_after']:.2f}" if algo == "tool" else "")
         )
     print(
         f"{algo} quickstart over {len(results)} seeds, median (range): greedy val acc {fmt(summary['before'])}"
         f" -> {fmt(summary['after'])}; rise {fmt(summary['rise'], '{:+.2f}')};"
         f" training command {fmt(summary['train_s'], '{:.0f}')} s; machine load (1 min) {os.getloadavg()[0]:.1f}"
+        + (f"; tool success {fmt(summary['tools_before'])} -> {fmt(summary['tools_after'])}" if algo == "tool" else "")
     )
     print(
         f"criterion (median rise >= {CRITERION['median_rise']}, every seed >= {CRITERION['min_rise']},"
@@ -132,17 +151,19 @@ def report(results: list[dict], summary: dict, algo: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="run seeds 0 .. N-1")
-    parser.add_argument("--ppo", action="store_true", help="the PPO quickstart (configs/ppo_quickstart.yaml)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--ppo", action="store_true", help="the PPO quickstart (configs/ppo_quickstart.yaml)")
+    which.add_argument("--tool", action="store_true", help="the tool quickstart (configs/tool_agent_quickstart.yaml)")
     parser.add_argument("--run-dir", default="runs/bench_quickstart", help="one sub-directory per seed")
     parser.add_argument("overrides", nargs="*", help="dotted overrides passed to megarl train")
     args = parser.parse_args(argv)
-    algo = "PPO" if args.ppo else "GRPO"
+    algo = "PPO" if args.ppo else "tool" if args.tool else "GRPO"
     print(
         f"{algo} quickstart, {args.seeds} seed(s); machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True
     )
     results = []
     for seed in range(args.seeds):
-        results.append(run_seed(seed, f"{args.run_dir}/seed{seed}", args.ppo, args.overrides))
+        results.append(run_seed(seed, f"{args.run_dir}/seed{seed}", algo, args.overrides))
         print(f"  seed {seed} done: {results[-1]['before']:.3f} -> {results[-1]['after']:.3f}", flush=True)
     summary = summarize(results)
     report(results, summary, algo)
