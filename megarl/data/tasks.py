@@ -134,17 +134,26 @@ def _countdown_problem(rng: random.Random, num_numbers: int, max_number: int, ma
 
 
 def make_tool_arithmetic_dataset(
-    n: int, seed: int = 0, digits: tuple[int, int] = (3, 2), chat: bool = False, agent_name: str = "tool_agent"
+    n: int,
+    seed: int = 0,
+    digits: tuple[int, int] = (3, 2),
+    chat: bool = False,
+    agent_name: str = "tool_agent",
+    full_width: bool = True,
 ) -> list[dict[str, Any]]:
     """`n` products like "347*29=" of a `digits[0]`-digit and a `digits[1]`-digit number: far beyond what a
     tiny model computes, exact with the `calculator` tool. Rows carry `agent_name` (the loop that offers
-    the tools) and `data_source` "tool_arithmetic" (its reward reads the model's final turn)."""
+    the tools) and `data_source` "tool_arithmetic" (its reward reads the model's final turn). With
+    `full_width` every product has digits[0] + digits[1] digits, so every answer copied from the tool's
+    result has one length (a tiny model learns a fixed-width copy far sooner than a variable one)."""
     if len(digits) != 2 or min(digits) < 1:
         raise ValueError(f"digits must be two positive digit counts (first factor, second factor), got {digits}")
     rng = random.Random(seed)
     rows = []
     for index in range(n):
         a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
+        while full_width and len(str(a * b)) < sum(digits):
+            a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
         rows.append(
             {
                 "prompt": _prompt(f"{a}*{b}=", chat),

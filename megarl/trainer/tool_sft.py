@@ -20,9 +20,15 @@ from typing import Sequence
 from megarl.agent.chat import ChatRenderer
 
 
-def call_text(expression: str, tool: str = "calculator") -> str:
-    """The Hermes tool call the teacher writes (what the tiny chat template renders for a tool call)."""
-    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': {'expression': expression}})}\n</tool_call>"
+def call_text(expression: str, tool: str = "calculator", arguments_first: bool = False) -> str:
+    """The Hermes tool call the teacher writes (what the tiny chat template renders for a tool call).
+    `arguments_first` writes the JSON's "arguments" before "name" (the parser takes either order): the
+    copied expression then sits 23 tokens nearer the prompt it is copied from, which a 2-layer model
+    learns to copy in ~200 steps instead of stalling at chance for 1200 (measured on the tool quickstart)."""
+    call = {"name": tool, "arguments": {"expression": expression}}
+    if arguments_first:
+        call = {"arguments": call["arguments"], "name": tool}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
 def guessed_answer(answer: str, rng: random.Random) -> str:
@@ -35,11 +41,17 @@ def guessed_answer(answer: str, rng: random.Random) -> str:
 
 
 def tool_call_examples(
-    rows: Sequence[dict], tokenizer, schemas: Sequence[dict], *, call_share: float = 0.5, seed: int = 0
+    rows: Sequence[dict],
+    tokenizer,
+    schemas: Sequence[dict],
+    *,
+    call_share: float = 0.5,
+    seed: int = 0,
+    arguments_first: bool = False,
 ) -> list[tuple[list[int], int]]:
     """SFT examples from rows with `prompt` (a string or messages), `ground_truth` and
-    `extra_info.expression`: two examples per calling row (the call; the answer after the tool's
-    result), one per guessing row."""
+    `extra_info.expression`: two examples per calling row (the call, written by `call_text`; the answer
+    after the tool's result), one per guessing row."""
     if not 0.0 <= call_share <= 1.0:
         raise ValueError(
             f"call_share must be in [0, 1] (the share of demonstrations that call the tool), got {call_share}"
@@ -55,7 +67,7 @@ def tool_call_examples(
         if rng.random() >= call_share:
             examples.append((prompt + renderer.encode(guessed_answer(answer, rng)) + [eos], len(prompt)))
             continue
-        call = renderer.encode(call_text(row["extra_info"]["expression"])) + [eos]
+        call = renderer.encode(call_text(row["extra_info"]["expression"], arguments_first=arguments_first)) + [eos]
         examples.append((prompt + call, len(prompt)))
         context = prompt + call + renderer.observation_ids(call, [{"role": "tool", "content": answer}])
         examples.append((context + renderer.encode(answer) + [eos], len(context)))

@@ -110,6 +110,9 @@ def test_tool_arithmetic_rows_pick_the_tool_agent_and_score_only_the_final_turn(
         a, b = row["extra_info"]["expression"].split("*")
         assert len(a) == 3 and len(b) == 2 and row["prompt"] == f"{a}*{b}="
         assert row["ground_truth"] == str(int(a) * int(b)) and row["agent_name"] == "tool_agent"
+        assert len(row["ground_truth"]) == 5  # full width: every answer copied from the tool has one length
+    narrow = make_task_dataset("tool_arithmetic", 200, seed=3, full_width=False)
+    assert {len(row["ground_truth"]) for row in narrow} == {4, 5}
     reward, truth = get_reward_fn("tool_arithmetic"), rows[0]["ground_truth"]
     # the tool's result sits in the response text; only the model's final turn counts
     text = f"<tool_call>...</tool_call>\ntool\n{truth}\nassistant\n"

@@ -16,7 +16,9 @@ from megarl.trainer.tool_sft import call_text, guessed_answer, tool_call_example
 TOOLS = REPO / "configs" / "tools" / "calculator.yaml"
 
 
-def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_builds(tmp_path):
+@pytest.mark.parametrize("arguments_first", [False, True])
+def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_builds(tmp_path, arguments_first):
+    """Either key order of the call's JSON is parsed and run by the loop (the quickstart writes arguments first)."""
     from megarl.rollout import create_engine
     from megarl.testing.models import save_tiny_policy
 
@@ -24,11 +26,14 @@ def test_a_calling_demonstration_is_token_for_token_what_the_tool_agent_loop_bui
     save_tiny_policy(tmp_path, tok)
     row = make_tool_arithmetic_dataset(1, seed=4)[0]
     (call, call_len), (answer, answer_len) = tool_call_examples(
-        [row], tok, ToolSet.from_yaml(TOOLS).schemas(), call_share=1.0
+        [row], tok, ToolSet.from_yaml(TOOLS).schemas(), call_share=1.0, arguments_first=arguments_first
     )
     eos = tok.eos_token_id
     turns = [
-        tok.encode(call_text(row["extra_info"]["expression"]), add_special_tokens=False) + [eos],
+        tok.encode(
+            call_text(row["extra_info"]["expression"], arguments_first=arguments_first), add_special_tokens=False
+        )
+        + [eos],
         tok.encode(row["ground_truth"], add_special_tokens=False) + [eos],
     ]
     ctx = AgentContext(
