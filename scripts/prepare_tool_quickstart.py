@@ -10,8 +10,9 @@
 3. an SFT warm-up (`megarl.trainer.tool_sft` + `megarl.trainer.sft`) in two phases. First
    `--copy-steps` on a teacher who always calls the calculator (the call, then after the tool's result
    the answer): the policy learns the call format and the two copies it needs (the expression into
-   the call, the tool's result into the answer) — a 2-layer model learns them only after a plateau of
-   ~150 steps, so this phase is all calls. The calls write "arguments" before "name" and every answer
+   the call, the tool's result into the answer) — a 2-layer model learns them only after a plateau
+   whose length varies by seed (150 to 600 steps), so this phase is all calls and runs until 95% of
+   held-out calls and answers come out exact (teacher forced, checked every 50 steps). The calls write "arguments" before "name" and every answer
    has five digits: with "name" first or answers of 4 or 5 digits, a copy stalled at chance for over
    a thousand steps on some seeds (measured). Then `--sft-steps` on a teacher who calls in
    `--call-share` of its demonstrations and guesses in the rest (the product with one digit wrong).
@@ -30,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS_YAML = REPO / "configs" / "tools" / "calculator.yaml"
+COPIED = 0.95  # the calls-only phase ends once this share of held-out calls and answers is exact
 
 
 def build_model(model_dir: Path, seed: int):
@@ -59,7 +61,9 @@ def parse_args(argv):
     parser.add_argument("--data", default="data/tool_arithmetic", help="where train/test parquet files are written")
     parser.add_argument("--train-rows", type=int, default=4000, help="train problems")
     parser.add_argument("--test-problems", type=int, default=128, help="distinct held-out problems")
-    parser.add_argument("--copy-steps", type=int, default=300, help="warm-up steps on calls only (0: none)")
+    parser.add_argument(
+        "--copy-steps", type=int, default=1000, help="at most this many warm-up steps on calls only (0: none)"
+    )
     parser.add_argument("--sft-steps", type=int, default=200, help="then warm-up steps on the mix (0: none)")
     parser.add_argument(
         "--call-share",
@@ -86,10 +90,12 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync
+    from transformers import AutoModelForCausalLM
+
     from megarl.agent.tools import ToolSet
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
-    from megarl.trainer.sft import sft_warmup
+    from megarl.trainer.sft import exact_share, sft_warmup
     from megarl.trainer.tool_sft import tool_call_examples
 
     start = time.perf_counter()
@@ -100,21 +106,28 @@ def main(argv=None) -> dict:
     )
     train_rows, test_rows = (load_rows(paths[split])[0] for split in ("train", "test"))
     schemas = ToolSet.from_yaml(TOOLS_YAML).schemas()
-    losses = []
-    for steps, share, decay in ((args.copy_steps, 1.0, False), (args.sft_steps, args.call_share, True)):
+    # the early stop's own held-out rows: 64 train problems the warm-up never sees (not the test split)
+    train_rows, stop_rows = train_rows[:-64], train_rows[-64:]
+    held_out = tool_call_examples(stop_rows, tok, schemas, call_share=1.0, arguments_first=True)
+    phases = (("calls", args.copy_steps, 1.0, (held_out, COPIED)), ("mix", args.sft_steps, args.call_share, None))
+    done = {}
+    for phase, steps, share, until in phases:
         if steps:
             train = tool_call_examples(train_rows, tok, schemas, call_share=share, seed=args.seed, arguments_first=True)
             # lr 1e-3: at 3e-3 the expression copy stayed at chance for 750 steps (measured)
-            losses += sft_warmup(args.model, train, steps=steps, batch_size=32, lr=1e-3, seed=args.seed, lr_decay=decay)
+            done[phase] = sft_warmup(
+                args.model, train, steps=steps, batch_size=32, lr=1e-3, seed=args.seed, lr_decay=share < 1, until=until
+            )
+    copies = exact_share(AutoModelForCausalLM.from_pretrained(args.model), held_out)
     calls = first_turn_calls(args.model, test_rows, tok, schemas)
-    loss = f", final loss {losses[-1]:.3f}" if losses else ""
     print(
-        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.copy_steps} steps on calls"
-        f" + {args.sft_steps} on the mix{loss};"
-        f" greedy first turns that call the tool {calls:.2f} ({time.perf_counter() - start:.0f} s)",
+        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up"
+        f" {len(done.get('calls', []))} steps on calls + {len(done.get('mix', []))} on the mix;"
+        f" held-out calls and answers copied exactly {copies:.2f}; greedy first turns that call the tool"
+        f" {calls:.2f} ({time.perf_counter() - start:.0f} s)",
         flush=True,
     )
-    return {"model": args.model, **paths, "sft_first_turn_calls": calls}
+    return {"model": args.model, **paths, "sft_first_turn_calls": calls, "copied": copies}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Owns: `sft_warmup(hf_path, examples, ...)`: next-token NLL on the response tokens (prompt tokens
 masked out) of `prompt → answer + eos`, AdamW (optionally decaying linearly to 0), single process
-on the HF model (`transformers`), saved back in place with `save_pretrained`; `sft_examples` (rows →
-token ids); `off_by_one_teacher` (the quickstart's sloppy demonstrations: a share of numeric answers
+on the HF model (`transformers`), saved back in place with `save_pretrained`, optionally stopping
+once `exact_share` (teacher-forced exact answers on held-out examples) reaches a target;
+`sft_examples` (rows → token ids); `off_by_one_teacher` (the quickstart's sloppy demonstrations: a
+share of numeric answers
 off by one); `greedy_answers` / `greedy_accuracy` (batched greedy decoding of held-out prompts).
 For a tiny model on CPU a warm-up takes seconds to a minute and teaches the answer format and the
 task, so RL starts from a policy that is often right instead of from random characters. Large models
@@ -13,7 +15,7 @@ warm up with the Megatron engine under torchrun. Imports torch and transformers 
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -69,9 +71,13 @@ def sft_warmup(
     seed: int = 0,
     out_path: str | None = None,
     lr_decay: bool = False,
+    until: Optional[tuple[list[tuple[list[int], int]], float]] = None,
+    check_every: int = 50,
 ) -> list[float]:
-    """Train `steps` AdamW steps of answer-token NLL (lr constant, or decaying linearly to 0 with
-    `lr_decay`); save to `out_path` (default: in place). The losses."""
+    """Train up to `steps` AdamW steps of answer-token NLL (lr constant, or decaying linearly to 0 with
+    `lr_decay`); save to `out_path` (default: in place). The losses. With `until=(held_out, share)`
+    stop early, checked every `check_every` steps, once `exact_share(model, held_out)` reaches `share`
+    (a skill that tiny models pick up after a plateau whose length varies by seed)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -91,8 +97,27 @@ def sft_warmup(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if until and len(losses) % check_every == 0 and exact_share(model, until[0]) >= until[1]:
+            break
     model.save_pretrained(out_path or hf_path)
     return losses
+
+
+@torch.no_grad()
+def exact_share(model, examples: Sequence[tuple[list[int], int]], batch_size: int = 64) -> float:
+    """Share of examples whose every answer token is the model's argmax given the tokens before it
+    (teacher forced: one forward per batch, no decoding). Leaves the model in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    pad_id = model.config.pad_token_id or 0
+    exact = 0
+    for start in range(0, len(examples), batch_size):
+        ids, mask, labels = _batch(list(examples[start : start + batch_size]), pad_id)
+        predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+        wanted = labels[:, 1:]
+        exact += int(((predicted == wanted) | (wanted == -100)).all(dim=1).sum())
+    model.train(was_training)
+    return exact / max(1, len(examples))
 
 
 @torch.no_grad()

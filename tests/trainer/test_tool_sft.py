@@ -65,3 +65,30 @@ def test_guessing_demonstrations_answer_wrong_by_one_digit_in_the_share_asked():
         assert sum(a != b for a, b in zip(guess, answer)) == 1
     with pytest.raises(ValueError, match="call_share"):
         tool_call_examples(rows, tok, [], call_share=1.5)
+
+
+def test_exact_share_is_teacher_forced_argmax_and_stops_a_warm_up_early(tmp_path):
+    """Examples built from the model's own argmax next token count as exact, the same with that token
+    changed do not (prompts of several lengths, so padding and label shift are exercised); a warm-up
+    with `until` stops at the first check where the share is reached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.testing.models import save_tiny_policy
+    from megarl.trainer.sft import exact_share, sft_warmup
+
+    tok = build_tiny_tokenizer()
+    save_tiny_policy(tmp_path, tok)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    exact, wrong = [], []
+    for prompt in ("1+2=", "12+3=", "9*9*9="):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            a = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            b = int(model(torch.tensor([ids + [a]])).logits[0, -1].argmax())
+        exact.append((ids + [a, b], len(ids)))
+        wrong.append((ids + [a, (b + 1) % len(tok)], len(ids)))
+    assert exact_share(model, exact) == 1.0 and exact_share(model, wrong) == 0.0
+    assert exact_share(model, exact + wrong, batch_size=4) == 0.5 and not model.training
+    losses = sft_warmup(str(tmp_path), exact * 4, steps=100, batch_size=4, until=(exact, 0.0), check_every=3)
+    assert len(losses) == 3
