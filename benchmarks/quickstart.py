@@ -87,6 +87,9 @@ def run_seed(seed: int, run_dir: str, algo: str, overrides: list[str]) -> dict:
         (float(line.split()[-2]) for line in proc.stdout.splitlines() if "quickstart] train took" in line),
         float("nan"),
     )
+    for line in proc.stdout.splitlines():
+        if line.startswith("[prepare]"):
+            print(f"  seed {seed} {line}", flush=True)  # the warm-up: steps, what the policy starts from
     zv_first, zv_last = zero_variance(rows)
     tools_before, tools_after = tool_success(rows)
     return {
