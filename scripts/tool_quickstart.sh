@@ -7,9 +7,9 @@
 #       RUN_DIR   default runs/tool_quickstart
 #
 # Steps: setup (.venv; idempotent) → tiny model whose tokenizer renders tools compactly + the task
-# (rows with agent_name: tool_agent) + an SFT warm-up where a share of the demonstrations call the
-# calculator and the rest guess (scripts/prepare_tool_quickstart.py) → `megarl train --config
-# configs/tool_agent_quickstart.yaml` → validation (greedy accuracy, val/agent/tool_success) before/after.
+# (rows with agent_name: tool_agent) + an SFT warm-up: calls only until the copies are learned, then a
+# mix where 20% of the demonstrations call the calculator and the rest guess
+# (scripts/prepare_tool_quickstart.py) → `megarl train --config configs/tool_agent_quickstart.yaml` → validation (greedy accuracy, val/agent/tool_success) before/after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEED=0
