@@ -11,10 +11,10 @@
    `--copy-steps` on a teacher who always calls the calculator (the call, then after the tool's result
    the answer): the policy learns the call format and the two copies it needs (the expression into
    the call, the tool's result into the answer) — a 2-layer model learns them only after a plateau
-   whose length varies by seed (150 to 600 steps), so this phase is all calls and runs until 95% of
-   held-out calls and answers come out exact (teacher forced, checked every 50 steps). The calls write "arguments" before "name" and every answer
-   has five digits: with "name" first or answers of 4 or 5 digits, a copy stalled at chance for over
-   a thousand steps on some seeds (measured). Then `--sft-steps` on a teacher who calls in
+   whose length varies by seed (150 to over 1000 steps), so this phase is all calls and runs until
+   95% of held-out calls and answers come out exact (teacher forced, checked every 50 steps; at most
+   `--copy-steps`). The calls write "arguments" before "name" and every answer has five digits: with
+   "name" first or answers of 4 or 5 digits, a copy stalled for over a thousand steps (measured). Then `--sft-steps` on a teacher who calls in
    `--call-share` of its demonstrations and guesses in the rest (the product with one digit wrong).
    The policy ends up mostly guessing greedily (accuracy ~0), while some of its samples call the tool
    and, copying correctly, score. RL on the exact answer shifts it to calling.

@@ -5,8 +5,7 @@ masked out) of `prompt → answer + eos`, AdamW (optionally decaying linearly to
 on the HF model (`transformers`), saved back in place with `save_pretrained`, optionally stopping
 once `exact_share` (teacher-forced exact answers on held-out examples) reaches a target;
 `sft_examples` (rows → token ids); `off_by_one_teacher` (the quickstart's sloppy demonstrations: a
-share of numeric answers
-off by one); `greedy_answers` / `greedy_accuracy` (batched greedy decoding of held-out prompts).
+share of numeric answers off by one); `greedy_answers` / `greedy_accuracy` (batched greedy decoding of held-out prompts).
 For a tiny model on CPU a warm-up takes seconds to a minute and teaches the answer format and the
 task, so RL starts from a policy that is often right instead of from random characters. Large models
 warm up with the Megatron engine under torchrun. Imports torch and transformers only.
