@@ -21,6 +21,9 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
                  gloo weight group (the server-mode path: one broadcast per bucket buffer, the
                  receiver loads in place);
+  * ipc-unverified, broadcast-unverified — the same without the integrity check (`verify=False`:
+                 no per-tensor checksums taken by the sender and checked by the receiver); the
+                 report prints the check's share of each path's sync time;
   * per-param  — `gather` with one parameter per bucket;
   * naive      — the per-tensor loop most exporters run: a blocking TP all-gather per parameter
                  (`ModelBridge.iter_hf_weights`) and a blocking send per HF tensor to rank 0;
@@ -88,13 +91,15 @@ def sync_in_process(manager, engine):
     return _sync(manager, engine and InPlaceSender(engine))
 
 
-def sync_ipc(manager, engine):
+def sync_ipc(manager, engine, verify: bool = True):
     from megarl.rollout.sharding.ipc import IpcSender
 
-    return _sync(manager, engine and IpcSender(engine))
+    return _sync(manager, engine and IpcSender(engine, verify=verify))
 
 
-def sync_broadcast(manager, sender):
+def sync_broadcast(manager, sender, verify: bool = True):
+    if sender is not None:
+        sender.verify = verify  # the receiver follows what each update's header says
     return _sync(manager, sender)
 
 
@@ -153,9 +158,11 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         "gather": _consume(fast),
         "in-process": lambda: sync_in_process(fast, engines.get("in-process")),
         "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast")),
+        "broadcast-unverified": lambda: sync_broadcast(fast, engines.get("broadcast"), verify=False),
     }
     if use_vllm:
         paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc"))
+        paths["ipc-unverified"] = lambda: sync_ipc(fast, engines.get("ipc"), verify=False)
         paths["ipc-fresh"] = lambda: sync_ipc(fresh_shm, engines.get("ipc"))
     paths.update({"per-param": _consume(per_param), "naive": _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank)})
     paths.update(_baselines(rank, total, hf_bytes))
@@ -298,7 +305,7 @@ def report(result, bucket_mb: float) -> None:
     t = result["times"]
     for name, seconds in t.items():
         print(
-            f"  {name:10s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}"
+            f"  {name:20s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}"
         )
     print(
         "ratio vs copy (bytes/s): "
@@ -306,6 +313,12 @@ def report(result, bucket_mb: float) -> None:
             f"{name} {t['copy'] / t[name]:.3f}"
             for name in ("gather", "in-process", "ipc", "ipc-fresh", "broadcast")
             if name in t
+        )
+    )
+    print(
+        "integrity check (checksums taken and checked), share of the sync time: "
+        + "   ".join(
+            f"{name} {1 - t[name + '-unverified'] / t[name]:+.1%}" for name in ("ipc", "broadcast") if name in t
         )
     )
     print(

@@ -237,6 +237,15 @@ class RolloutConfig:
     """Disable CUDA graphs; None: eager on CPU, graphs on GPU."""
     dtype: str = "auto"
     """Engine dtype: auto (the actor's), float32, bfloat16, float16."""
+    verify_weights: bool = True
+    """Weight updates that move bytes to another process (vLLM's core by IPC, engine servers by broadcast)
+    carry per-tensor checksums the engine checks before loading; a mismatch fails the update naming the
+    tensor. false: skip the check (a few % of the sync time)."""
+    delta_weights: bool = False
+    """rollout.mode=server: after the first update, 16-bit (bf16/fp16) buckets travel as the elements whose
+    bits changed (int32 index + value; whole when that is not smaller). Costs a copy of those weights on
+    the sending trainer rank and on every server; pays where the network is slower than memory and
+    the learning rate small (most bf16 weights keep their bits from one step to the next)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent loops (multi-turn tools, environments): which loop, its limits, the tool YAML. A row's
     `agent_name` column picks its loop; the default, single_turn, is one completion per sample.

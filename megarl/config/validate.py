@@ -211,6 +211,11 @@ def _engines(cfg: RunConfig, pools: dict[str, int], roles: tuple[str, ...]) -> i
             f"rollout.mode=server needs its own pool, not the actor's ({ro.pool!r}); add one to"
             " resources.pools and set rollout.pool, or use rollout.mode=colocated"
         )
+    if ro.delta_weights and ro.mode != "server":
+        raise ConfigError(
+            "rollout.delta_weights=true needs rollout.mode=server (deltas travel on the broadcast to engine"
+            " servers; colocated engines take the weights in memory); set it false or use rollout.mode=server"
+        )
     shared = [r for r in roles if ro.mode == "server" and getattr(cfg, r).pool == ro.pool]
     if shared:
         raise ConfigError(

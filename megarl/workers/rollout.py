@@ -81,7 +81,7 @@ class Rollout:
                 # rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
                 kwargs.update(visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
-        self.sender = None if self.engine is None else sender_for(self.engine)
+        self.sender = None if self.engine is None else sender_for(self.engine, verify=ro.verify_weights)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         register_local(self.name, self)
 
@@ -160,7 +160,7 @@ class RolloutSender:
     def __init__(self, cfg):
         import torch.distributed as dist
 
-        self.rank = dist.get_rank()
+        self.rank, self.verify, self.delta = dist.get_rank(), cfg.rollout.verify_weights, cfg.rollout.delta_weights
         actor = local_role("actor").engine
         self.sends = 0 in dist.get_process_group_ranks(_replica_group(actor))
         self.manager = _sharding_manager(actor, {0}) if self.sends else None
@@ -172,7 +172,11 @@ class RolloutSender:
         from megarl.rollout.sharding.broadcast import BroadcastSender, WeightGroup
 
         if self.rank == 0:
-            self.sender = BroadcastSender(WeightGroup(host, port, 0, world_size, backend=backend, timeout_s=timeout_s))
+            self.sender = BroadcastSender(
+                WeightGroup(host, port, 0, world_size, backend=backend, timeout_s=timeout_s),
+                verify=self.verify,
+                delta=self.delta,
+            )
 
     def sync_weights(self) -> Optional[int]:
         """Every actor rank calls this while the servers wait in `receive_update`; rank 0 returns the version."""

@@ -124,6 +124,7 @@ BAD = [
     (["rollout.tp=8", "resources.gpus_per_node=8"], r"rollout\.tp=8 does not fit the model's num_attention_heads=4"),
     (["resources.pools={main: 3}"], r"resources\.pools asks for 3 GPUs .* = 1 \* 2 = 2"),
     (["rollout.mode=server"], r"rollout\.mode=server needs its own pool"),
+    (["rollout.delta_weights=true"], r"rollout\.delta_weights=true needs rollout\.mode=server"),
     (
         [
             "resources.gpus_per_node=4",

@@ -120,8 +120,9 @@ def test_ipc_buckets_are_shared_by_handle_not_copied(checkpoint):
     assert all(bool((b.buffer == -1.0).all()) for b in buckets)  # the worker wrote into the same memory
 
 
-def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models, checkpoint):
-    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender, WeightGroup
+def weight_groups() -> dict:
+    """Rank 0 (sender) and rank 1 (receiver) of a gloo weight group, in this process."""
+    from megarl.rollout.sharding.broadcast import WeightGroup
 
     port, groups = free_port(), {}
     joins = [
@@ -132,6 +133,28 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
         t.start()
     for t in joins:
         t.join()
+    return groups
+
+
+def receiving(receiver) -> tuple[threading.Thread, dict]:
+    """`receiver.receive_update()` on a thread; its result (or error) lands in the dict."""
+
+    def run():
+        try:
+            result["v"] = receiver.receive_update()
+        except Exception as err:  # noqa: BLE001 -- the test looks at it
+            result["error"] = err
+
+    result: dict = {}
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models, checkpoint):
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
     receiver_engine = EmbeddedEngine(rollout_models["llama_other"])
     receiver = BroadcastReceiver(groups[1], receiver_engine)
     sender = BroadcastSender(groups[0])
@@ -140,9 +163,7 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     groups[0].broadcast = lambda tensor, src=0: (broadcast.append(tensor.data_ptr()), send_tensor(tensor, src))
     groups[0].broadcast_object = lambda obj=None, src=0: (objects.append(obj), send_object(obj, src))[1]
     for version in (4, 5, None):
-        result = {}
-        thread = threading.Thread(target=lambda result=result: result.setdefault("v", receiver.receive_update()))
-        thread.start()
+        thread, result = receiving(receiver)
         if version is None:
             sender.close()
         else:
@@ -156,6 +177,111 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     assert engine_equals(receiver_engine, checkpoint)
     layouts = [o for o in objects if isinstance(o, tuple)]
     assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
+
+
+@pytest.mark.parametrize("corrupt", [0, 2])
+def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_tensor(
+    rollout_models, checkpoint, corrupt
+):
+    """One bit of the `corrupt`-th bucket flips on the receiver's side: the update fails on both sides naming
+    the tensor, the engine keeps its version (bucket 0: nothing was loaded, it keeps serving; later: it
+    refuses requests until an update succeeds), and the group stays in step for the next update."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    before = [(n, t.clone()) for n, t in engine._params.items()]
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    buckets = list(bucket_tensors(checkpoint, 200_000))
+    assert len(buckets) > corrupt
+    receive, seen = groups[1].broadcast, []
+
+    def flipping(tensor, src=0):
+        receive(tensor, src)
+        if tensor.is_floating_point():  # a bucket's buffer (control messages and checksums are int64)
+            if len(seen) == corrupt:
+                tensor.view(torch.uint8)[-1] ^= 1  # the bucket's last tensor
+            seen.append(tensor.numel())
+
+    groups[1].broadcast = flipping
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    name = buckets[corrupt].entries[-1].name
+    with pytest.raises(WeightUpdateError, match=rf"engine server 1: WeightUpdateError: .*{name!r}.*checksum mismatch"):
+        sender.send(buckets, 7)
+    thread.join(timeout=60)
+    assert isinstance(result["error"], WeightUpdateError) and len(seen) == len(buckets)  # read to the end
+    assert engine.version != 7
+    if corrupt == 0:
+        assert engine.broken is None and engine_equals(engine, before)
+    else:
+        assert "refuses requests" in engine.broken
+    groups[1].broadcast = receive
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    assert sender.send(buckets, 8) == 8
+    thread.join(timeout=60)
+    assert result["v"] == 8 and engine.broken is None and engine_equals(engine, checkpoint)
+
+
+def adamw_step(weights, lr: float):
+    """The bf16 weights after one real AdamW step on fp32 masters (the loss pulls every weight to 0)."""
+    params = [torch.nn.Parameter(t.float()) for _, t in weights]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    sum((p * p).sum() for p in params).backward()
+    optimizer.step()
+    return [(n, p.detach().to(torch.bfloat16)) for (n, _), p in zip(weights, params)]
+
+
+def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a_full_sync(rollout_models, checkpoint):
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"], dtype=torch.bfloat16)
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], delta=True)
+    first = [(n, t.to(torch.bfloat16)) for n, t in checkpoint]
+    dense = sum(t.numel() * 2 for _, t in first)
+    updates = [first, adamw_step(first, lr=1e-5), adamw_step(first, lr=1e-5)]
+    updates[2][0] = (updates[2][0][0], updates[2][0][1] + 1.0)  # one tensor changes everywhere
+    sent = []
+    for version, weights in enumerate(updates, 1):
+        thread, result = receiving(receiver)
+        sender.check(specs_of(weights))
+        assert sender.send(list(bucket_tensors(weights, 200_000)), version) == version
+        thread.join(timeout=60)
+        assert result["v"] == version and engine_equals(engine, weights)  # bit for bit, as a full sync
+        sent.append(sender.sent_bytes)
+    changed = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for (_, a), (_, b) in zip(*updates[:2]))
+    assert 0 < changed < dense / 2 / 10  # most bf16 weights kept their bits at this learning rate
+    assert sent[0] == dense and sent[1] == changed * 6  # int32 index + bf16 value per changed element
+    assert sent[1] < sent[2] < dense  # the bucket holding the changed tensor went whole
+
+
+def test_an_ipc_bucket_changed_after_it_was_handed_over_is_refused_naming_its_tensor(checkpoint):
+    """The trainer's side writes into a bucket's buffer after taking its checksums (a buffer reused too
+    early): the worker refuses the bucket before loading any of it."""
+    from megarl.rollout.sharding import ipc
+
+    sender = ipc.IpcSender(engine=None)
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=True))
+    loaded = []
+
+    def worker():
+        with ipc.connect_worker(sender.address, sender.authkey) as conn:
+            for bucket in ipc.receive_buckets(conn):
+                loaded.extend(n for n, _ in bucket.tensors())
+
+    def racing(bucket):
+        sums = ipc_checksums(bucket)
+        if bucket is buckets[1]:
+            bucket.buffer[0] += 1.0  # the bucket's first tensor
+        return sums
+
+    ipc_checksums = ipc.checksums
+    with mock.patch.object(ipc, "checksums", racing):
+        with pytest.raises(WeightUpdateError, match=rf"{buckets[1].entries[0].name!r}.*checksum mismatch"):
+            ipc.serve_buckets(sender.address, sender.authkey, buckets, worker)
+    assert loaded == [e.name for e in buckets[0].entries]  # bucket 1 never reached the loader
 
 
 def _rollout_imports(path: Path) -> set[str]:

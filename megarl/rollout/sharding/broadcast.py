@@ -9,11 +9,14 @@ receiver checks it against its engine and the group all-gathers the verdicts, so
 on every member with the engine's message before any weight moves; then `send` broadcasts the
 policy version and, per `FlatBucket`, a 3-number control message, the bucket's layout (entries;
 only when it differs from what the receivers hold for that position, so once per model) and the
-bucket's buffer as it is (no concatenation; copied only if the group lives on another device).
+bucket's buffer as it is (no concatenation; copied only if the group lives on another device), then
+(`verify`, on by default) the bucket's per-tensor checksums (`protocol.checksums`).
 Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
-kept per bucket position from update to update) and hand it to their engine's own sender
-(`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
-all-gather collects the engines' versions. gloo on CPU (tested), NCCL on GPU.
+kept per bucket position from update to update), check its checksums and hand it to their engine's
+own sender (`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
+all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
+(a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
+and the sender raises `WeightUpdateError` with that engine's message. gloo on CPU (tested), NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -25,9 +28,17 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding.plan import HFSlot, HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket, WeightUpdateError, alloc_flat, bucket_tensors
+from megarl.rollout.sharding.protocol import (
+    FlatBucket,
+    WeightUpdateError,
+    alloc_flat,
+    bucket_tensors,
+    checksums,
+    verify_bucket,
+)
 from megarl.rollout.sharding.senders import sender_for
 from megarl.rollout.sharding.transport import KeptBuffers
+from megarl.utils.faults import hold
 
 MESSAGE_BYTES = 4096
 
@@ -81,8 +92,11 @@ class WeightGroup:
         return [bytes(t[1:].cpu().numpy()).rstrip(b"\0").decode() if t[0] else None for t in out]
 
 
-_BEGIN, _BUCKET, _END = 2, 1, 0
+_BEGIN, _BUCKET, _END, _DELTA = 2, 1, 0, 3
 """Kinds of the control message that precedes every part of an update: [kind, value, new layout]."""
+_DELTA_DTYPES = (torch.bfloat16, torch.float16)
+_FAILED = "failed: "
+"""How a receiver's final reply starts when its engine failed the update (its version otherwise)."""
 
 
 class BroadcastSender:
@@ -91,17 +105,22 @@ class BroadcastSender:
     keeps_buffers = False  # a broadcast has completed on every member before the next bucket is asked for
     shares_buffers = False
 
-    def __init__(self, group: WeightGroup):
+    def __init__(self, group: WeightGroup, *, verify: bool = True, delta: bool = False):
         if group.rank != 0:
             raise ValueError("the sender must be rank 0 of its weight group")
-        self.group = group
+        self.group, self.verify, self.delta = group, verify, delta
         self._layouts: list = []  # (dtype, entries) per bucket position, as the receivers have them
+        self._held: dict[int, torch.Tensor] = {}  # delta: each 16-bit bucket as the receivers hold it
+        self.sent_bytes = 0
+        """Bytes of bucket data (buffers, or delta indices and values) broadcast by the last update."""
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
         """Announce the update; raises the first engine's WeightUpdateError (on every member)."""
         header = {
             "specs": [(s.name, tuple(s.shape), str(s.dtype).replace("torch.", "")) for s in specs],
             "partial": partial,
+            "verify": self.verify,
+            "delta": self.delta,
         }
         self.group.broadcast_object(header)
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
@@ -111,18 +130,52 @@ class BroadcastSender:
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """One broadcast per bucket buffer, as it is; returns the lowest engine version after the update."""
         self._control(_BEGIN, version)
-        for position, bucket in enumerate(buckets):
-            layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
-            new = position >= len(self._layouts) or self._layouts[position] != layout
-            self._control(_BUCKET, bucket.buffer.numel(), new)
-            if new:
-                self.group.broadcast_object(layout)
-                self._layouts[position : position + 1] = [layout]
-            buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
-            self.group.broadcast(buffer)
+        self.sent_bytes = 0
+        try:
+            for position, bucket in enumerate(buckets):
+                self._send_bucket(position, bucket)
+                if position == 0:
+                    hold("weights.broadcast")  # fault injection: an update under way
+        except BaseException:
+            self._held.clear()  # the receivers may not hold what this side thinks: the next update is dense
+            raise
         self._control(_END)
-        versions = self.group.all_gather_messages("0")
-        return min(int(v) for v in versions[1:])
+        replies = self.group.all_gather_messages("0")[1:]
+        failed = [(i, m) for i, m in enumerate(replies, 1) if m.startswith(_FAILED)]
+        if failed:
+            self._held.clear()
+            raise WeightUpdateError(f"engine server {failed[0][0]}: {failed[0][1][len(_FAILED) :]}")
+        return min(int(v) for v in replies)
+
+    def _send_bucket(self, position: int, bucket: FlatBucket) -> None:
+        """The bucket's buffer, or with `delta` only its elements whose bits changed since the receivers'
+        copy (int32 indices + values; whole when that is not smaller); then its checksums (`verify`)."""
+        layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
+        new = position >= len(self._layouts) or self._layouts[position] != layout
+        buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
+        changed = None if new else _changed(buffer, self._held.get(position))
+        self._control(_BUCKET if changed is None else _DELTA, buffer.numel() if changed is None else len(changed), new)
+        if new:
+            self.group.broadcast_object(layout)
+            self._layouts[position : position + 1] = [layout]
+        if changed is None:
+            self.group.broadcast(buffer)
+            self.sent_bytes += buffer.numel() * buffer.element_size()
+        else:
+            values = buffer[changed]
+            self.group.broadcast(changed)
+            self.group.broadcast(values)
+            self.sent_bytes += changed.numel() * 4 + values.numel() * values.element_size()
+        if self.verify:
+            self.group.broadcast(checksums(FlatBucket(buffer, bucket.entries)))
+        if self.delta and buffer.dtype in _DELTA_DTYPES:
+            held = self._held.get(position)
+            if held is None or held.shape != buffer.shape:
+                self._held[position] = buffer.clone()
+            elif changed is None:
+                held.copy_(buffer)
+            else:
+                held[changed] = values
 
     def _control(self, kind: int, value: int = 0, new: bool = False) -> None:
         self.group.broadcast(torch.tensor([kind, value, int(new)], dtype=torch.int64, device=self.group.device))
@@ -147,11 +200,13 @@ class BroadcastReceiver:
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
         # every update (no fresh shared-memory pages to allocate and zero after the first)
         self._kept = KeptBuffers() if self.local.shares_buffers else None
+        self._held: dict[int, torch.Tensor] = {}  # delta updates: each 16-bit bucket as last received
 
     def receive_update(self) -> Optional[int]:
         """The engine's new version; None when the sender closed the group.
 
-        Raises WeightUpdateError (and keeps the previous weights) when any member rejected the update.
+        Raises WeightUpdateError (and keeps the previous weights) when any member rejected the update's
+        header; an engine that fails during the update re-raises its error after reading the update to its end.
         """
         header = self.group.broadcast_object()
         if header.get("close"):
@@ -168,7 +223,17 @@ class BroadcastReceiver:
         kind, version, _ = self._control()
         if kind != _BEGIN:
             raise RuntimeError(f"weight group out of step: expected the start of an update, got message kind {kind}")
-        version = self.local.send(self._buckets(), version)
+        self._position, self._ended, self._delta = 0, False, header.get("delta", False)
+        if hasattr(self.local, "verify"):  # an IPC hop inside the server checks as the sender asked
+            self.local.verify = header.get("verify", True)
+        try:
+            version = self.local.send(self._buckets(header.get("verify", False)), version)
+        except Exception as err:
+            while not self._ended:  # the rest of the update, unread: the group stays in step
+                self._receive(header.get("verify", False))
+            self._held.clear()  # the sender sends the next update whole
+            self.group.all_gather_messages(f"{_FAILED}{type(err).__name__}: {err}")
+            raise
         self.group.all_gather_messages(str(version))
         return version
 
@@ -177,21 +242,62 @@ class BroadcastReceiver:
         self.group.broadcast(message)
         return message.tolist()
 
-    def _buckets(self):
-        """Each broadcast bucket in a fresh buffer (the engine may keep it), until the sender's end mark."""
-        position = 0
-        while True:
-            kind, numel, new = self._control()
-            if kind == _END:
-                return
-            if new:
-                self._layouts[position : position + 1] = [self.group.broadcast_object()]
-            dtype, entries = self._layouts[position]
-            buffer = (
-                self._kept.take(position, numel, getattr(torch, dtype), self.group.device)
-                if self._kept
-                else alloc_flat(numel, getattr(torch, dtype), self.group.device)
-            )
+    def _buckets(self, verify: bool):
+        """Each broadcast bucket in a buffer of its own (the engine may keep it), checked against its
+        checksums when the sender sends them, until the sender's end mark."""
+        while (received := self._receive(verify)) is not None:
+            bucket, expected = received
+            yield bucket if expected is None else verify_bucket(bucket, expected)
+
+    def _receive(self, verify: bool) -> Optional[tuple[FlatBucket, Optional[torch.Tensor]]]:
+        """The next bucket and its checksums (None without `verify`); None at the end mark."""
+        kind, numel, new = self._control()
+        if kind == _END:
+            self._ended = True
+            return None
+        position, self._position = self._position, self._position + 1
+        if new:
+            self._layouts[position : position + 1] = [self.group.broadcast_object()]
+        dtype, entries = self._layouts[position]
+        if kind == _DELTA:  # `numel` changed elements of the bucket this receiver holds
+            buffer, changed = self._held[position], torch.empty(numel, dtype=torch.int32, device=self.group.device)
+            values = torch.empty(numel, dtype=buffer.dtype, device=self.group.device)
+            self.group.broadcast(changed)
+            self.group.broadcast(values)
+            buffer[changed] = values
+        else:
+            buffer = self._buffer(position, numel, getattr(torch, dtype))
             self.group.broadcast(buffer)
-            yield FlatBucket(buffer, tuple(HFSlot(*e) for e in entries))
-            position += 1
+        expected = None
+        if verify:
+            expected = torch.empty(len(entries), dtype=torch.int64, device=self.group.device)
+            self.group.broadcast(expected)
+        return FlatBucket(buffer, tuple(HFSlot(*e) for e in entries)), expected
+
+    def _buffer(self, position: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a whole bucket lands: kept per position for an engine in another process, or for delta
+        updates of 16-bit buckets (the next update may change only some of its elements); else fresh."""
+        if self._delta and dtype in _DELTA_DTYPES:
+            held = self._held.get(position)
+            if held is None or held.numel() != numel:
+                held = self._held[position] = (
+                    self._kept.take(("delta", position), numel, dtype, self.group.device)
+                    if self._kept
+                    else alloc_flat(numel, dtype, self.group.device)
+                )
+            return held
+        if self._kept:
+            return self._kept.take(position, numel, dtype, self.group.device)
+        return alloc_flat(numel, dtype, self.group.device)
+
+
+def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The int32 indices of the 16-bit elements of `buffer` whose bits differ from `held` (the receivers'
+    copy); None (send it whole) without a copy, for other dtypes, or when indices + values would not be
+    smaller than the buffer."""
+    if held is None or held.shape != buffer.shape or buffer.dtype not in _DELTA_DTYPES or buffer.numel() >= 2**31:
+        return None
+    changed = (buffer.view(torch.int16) != held.view(torch.int16)).nonzero().flatten()
+    if changed.numel() * (4 + buffer.element_size()) >= buffer.numel() * buffer.element_size():
+        return None
+    return changed.to(torch.int32)

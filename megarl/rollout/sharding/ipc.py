@@ -6,8 +6,11 @@ one update) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_
 `torch.multiprocessing.reductions.reduce_tensor` of the bucket's buffer as it is — a CUDA IPC
 handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the sharding
 manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus the entries (name,
-shape, offset), over a `multiprocessing.connection` to every vLLM worker of the engine: nothing is
-flattened, concatenated or re-bucketed on the way. Each worker rebuilds the tensor, streams views
+shape, offset) and (`verify`, on by default) its per-tensor checksums (`protocol.checksums`), over a
+`multiprocessing.connection` to every vLLM worker of the engine: nothing is flattened, concatenated or
+re-bucketed on the way. Each worker rebuilds the tensor, checks its checksums (so a buffer the trainer
+reused or freed too early, or a handle that maps the wrong memory, fails the update naming the tensor
+instead of loading wrong weights), streams views
 of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a layer's tensors within
 one call; its weight loaders take the worker's TP slice) and acknowledges; vLLM may keep a layer's
 views until the layer is complete, so every bucket has a buffer of its own within an update
@@ -39,7 +42,14 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding.plan import HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket, UpdateProgress, announced, check_bucket
+from megarl.rollout.sharding.protocol import (
+    FlatBucket,
+    UpdateProgress,
+    announced,
+    check_bucket,
+    checksums,
+    verify_bucket,
+)
 
 _HELLO = "megarl-worker"
 
@@ -50,8 +60,8 @@ class IpcSender:
     keeps_buffers = True  # the worker's reload may hold a layer's views until the layer is complete
     shares_buffers = True
 
-    def __init__(self, engine, *, address: Optional[str] = None):
-        self.engine = engine
+    def __init__(self, engine, *, address: Optional[str] = None, verify: bool = True):
+        self.engine, self.verify = engine, verify
         self.workers = int(getattr(engine, "ipc_workers", 1))
         self.address = address or os.path.join(tempfile.gettempdir(), f"megarl-ipc-{uuid.uuid4().hex[:12]}.sock")
         self.authkey = os.urandom(16)
@@ -73,6 +83,7 @@ class IpcSender:
             lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
             workers=self.workers,
             progress=progress,
+            verify=self.verify,
         )
 
 
@@ -84,6 +95,7 @@ def serve_buckets(
     *,
     workers: int = 1,
     progress: Optional[UpdateProgress] = None,
+    verify: bool = True,
 ):
     """Listen, run `receive()` (which makes `workers` workers connect and load) on a thread, feed them the buckets.
 
@@ -105,7 +117,7 @@ def serve_buckets(
         thread.start()
         conns: list = []
         try:
-            _feed(listener, conns, workers, buckets, progress)
+            _feed(listener, conns, workers, buckets, progress, verify)
         except BaseException as exc:  # noqa: BLE001 - the receive side's error, when there is one, is the cause
             result.setdefault("send_error", exc)
         finally:
@@ -119,7 +131,9 @@ def serve_buckets(
     return result["value"]
 
 
-def _feed(listener, conns: list, workers: int, buckets: Iterable[FlatBucket], progress: UpdateProgress) -> None:
+def _feed(
+    listener, conns: list, workers: int, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool
+) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     for _ in range(workers):
@@ -128,7 +142,8 @@ def _feed(listener, conns: list, workers: int, buckets: Iterable[FlatBucket], pr
         if conn.recv() != _HELLO:
             raise RuntimeError("an IPC peer that is not a megarl worker connected")
     for bucket in buckets:
-        message = (reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer))
+        sums = checksums(bucket).tolist() if verify else None
+        message = (reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer), sums)
         progress.touched = True  # from here a worker may hand tensors of this bucket to the model
         for conn in conns:
             conn.send(message)
@@ -158,12 +173,14 @@ def connect_worker(address: str, authkey: bytes):
 
 
 def receive_buckets(conn) -> Iterable[FlatBucket]:
-    """Worker side: the buckets sent by `serve_buckets` until it sends None (acknowledging each)."""
+    """Worker side: the buckets sent by `serve_buckets` until it sends None (acknowledging each), each
+    checked against its checksums when they came with it."""
     while (message := conn.recv()) is not None:
-        (rebuild, args), entries, device_uuid = message
+        (rebuild, args), entries, device_uuid, sums = message
         if device_uuid is not None:
             args = _on_visible_device(rebuild, args, device_uuid)
-        yield FlatBucket(rebuild(*args), tuple(entries))
+        bucket = FlatBucket(rebuild(*args), tuple(entries))
+        yield bucket if sums is None else verify_bucket(bucket, torch.tensor(sums, dtype=torch.int64))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         conn.send("ok")

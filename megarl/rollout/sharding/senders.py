@@ -39,8 +39,9 @@ class InPlaceSender:
         return self.engine.load(checked_tensors(buckets, self._announced), version)
 
 
-def sender_for(engine) -> Sender:
-    """The sender that moves flat buckets into `engine`: IPC when its model is in another process."""
+def sender_for(engine, *, verify: bool = True) -> Sender:
+    """The sender that moves flat buckets into `engine`: IPC when its model is in another process (its
+    buckets checked on arrival unless `verify` is False); in place, where nothing travels, otherwise."""
     if getattr(engine, "in_process", True):
         return InPlaceSender(engine)
-    return IpcSender(engine)
+    return IpcSender(engine, verify=verify)
