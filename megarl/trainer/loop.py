@@ -49,6 +49,7 @@ from megarl.trainer.metrics import (
     timing_metrics,
     validation_metrics,
 )
+from megarl.utils.faults import hold
 
 VAL_AGENT_METRICS = ("agent/tool_success", "agent/tool_calls", "agent/tool_errors", "agent/turns")
 """Agent metrics also logged for validation (as val/agent/...) when the loops report them."""
@@ -150,6 +151,7 @@ class RLTrainer:
             if cluster.critic:
                 with timer("critic_update"):
                     stats.update(self.update("critic", batch))
+            hold("step.actor_update")  # fault injection: mid-step
             if self.actor_trains(step):
                 with timer("actor_update"):
                     stats.update(self.update("actor", batch))

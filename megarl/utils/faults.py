@@ -11,7 +11,10 @@ Points: `checkpoint.driver_state` (engine checkpoints and manifest written, driv
 written to its temp file, not yet renamed over the old one), and in the workers (the variables
 reach them through Ray) `publish.<dir>` (`megarl.utils.atomic.publish_collective`: every rank wrote
 its part of `<dir>` — `hf` for the final export, `actor`/`critic` for engine checkpoints — and the
-directory is not published yet). Standard library only.
+directory is not published yet), `step.actor_update` (a step's samples generated and scored, its old
+log-probs computed, the actor not yet updated) and `weights.broadcast` (rank 0 of the actor has broadcast
+the first bucket of a weight update to the engine servers, the rest and the end of the update not yet).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ import os
 import time
 from collections import Counter
 
-POINTS = ("checkpoint.driver_state", "prune", "metrics.rewrite", "publish.hf", "publish.actor", "publish.critic")
+POINTS = (
+    "checkpoint.driver_state",
+    "prune",
+    "metrics.rewrite",
+    "publish.hf",
+    "publish.actor",
+    "publish.critic",
+    "step.actor_update",
+    "weights.broadcast",
+)
 _seen: Counter = Counter()
 
 

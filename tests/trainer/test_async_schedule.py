@@ -1,7 +1,9 @@
 """The asynchronous producer's scheduling rules, without engines: admission under the staleness bound,
 which finished groups a batch takes (pace: the due ones first; drop: stale ones dropped and resubmitted),
-the data cursor a checkpoint records, and the engines' idle clock."""
+the data cursor a checkpoint records, the engines' idle clock, and the driver's side of a weight update
+the engines reject (the engines' side: tests/rollout/test_server_mode.py)."""
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -11,9 +13,9 @@ from megarl.config.schema import RunConfig
 from megarl.data.datasets import DataConfig, PromptDataset, PromptLoader
 from megarl.data.tasks import write_task_splits
 from megarl.data.tokenizer import build_tiny_tokenizer
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams, WeightUpdateError
 from megarl.rollout.router import EngineRouter
-from megarl.trainer.async_loop import IdleClock, Producer
+from megarl.trainer.async_loop import AsyncRLTrainer, IdleClock, Producer
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,14 @@ def dataset(tmp_path_factory):
     return PromptDataset(DataConfig(files=[paths["train"]], apply_chat_template=False), build_tiny_tokenizer())
 
 
-def producer(dataset, staleness=1, over_stale="pace", cursor=None):
-    """Prompts per step 2, samples per prompt 2; the loader real, the engines never called."""
+def producer(dataset, staleness=1, over_stale="pace", cursor=None, engines=None):
+    """Prompts per step 2, samples per prompt 2; the loader real, the engines never called (unless given)."""
     cfg = RunConfig()
     cfg.trainer.prompts_per_step, cfg.rollout.samples_per_prompt = 2, 2
     cfg.async_training.max_staleness, cfg.async_training.over_stale = staleness, over_stale
     trainer = SimpleNamespace(
         cfg=cfg,
-        cluster=SimpleNamespace(rollout=SimpleNamespace(router=EngineRouter(1))),
+        cluster=SimpleNamespace(rollout=engines or SimpleNamespace(router=EngineRouter(1))),
         agents=None,
         step=0,
         data=SimpleNamespace(loader=PromptLoader(dataset, 2, seed=1)),
@@ -112,3 +114,50 @@ def test_idle_clock_counts_time_without_requests_or_paused():
     clock.change(running=-2)
     now[0] = 4.25
     assert clock.read() == 0.75
+
+
+def updating_on(on_update):
+    cfg = RunConfig()
+    cfg.async_training.on_update = on_update
+    return cfg
+
+
+class RejectingEngines:
+    """Engines serving version 3 that reject the next update (as an engine server does when the weights do
+    not fit its model: tests/rollout/test_server_mode.py); they record pause and resume."""
+
+    router = EngineRouter(1)
+
+    def __init__(self):
+        self.calls = []
+
+    async def pause(self, mode):
+        self.calls.append(f"pause {mode}")
+
+    async def resume(self):
+        self.calls.append("resume")
+
+    def sync_weights(self):
+        raise WeightUpdateError("engine server 0 rejected the update: model.norm.weight has shape (64,), not (32,)")
+
+    def versions(self):
+        return [3]
+
+
+@pytest.mark.parametrize("on_update", ["continue", "abort"])
+def test_a_rejected_weight_update_stops_the_run_naming_the_version_served_and_resumes_the_engines(dataset, on_update):
+    engines = RejectingEngines()
+    p = producer(dataset, engines=engines)
+    p.version, p.main = 3, Future()
+    p.thread.start()  # the producer's loop, which pause and resume run on (no groups admitted)
+    trainer = AsyncRLTrainer.__new__(AsyncRLTrainer)
+    trainer.cfg, trainer.cluster, trainer.producer = updating_on(on_update), SimpleNamespace(rollout=engines), p
+    with pytest.raises(
+        RuntimeError, match=r"after version 3 failed; the engines keep serving version\(s\) \[3\]"
+    ) as err:
+        trainer.push_weights()
+    assert "model.norm.weight" in str(err.value) and isinstance(err.value.__cause__, WeightUpdateError)
+    assert engines.calls == [f"pause {'keep' if on_update == 'continue' else 'abort'}", "resume"]
+    assert not p.clock.paused  # the engines count as serving again
+    p.stop()
+    assert not p.thread.is_alive()

@@ -1,11 +1,12 @@
 """trainer.mode=async end to end on CPU: one vLLM engine server on pool 'rollout', a TP1 actor on 'main'.
 
 * max_staleness=0 is the synchronous run: the same metrics (all but timings) step for step.
-* max_staleness=1 with on_update=continue and a checkpoint every 2 steps, SIGKILLed while it writes the
-  step-4 checkpoint, then rerun from step 2 with on_update=abort and one more step: requests ran across weight updates (per-token versions show
-  the switch under continue; under abort the router reran the aborted ones and no sample is short),
-  no trained token lags more than one version, and every prompt group is trained exactly once across
-  the two runs, the rerun starting with the groups buffered or in flight at the checkpoint.
+* max_staleness=1, SIGKILLed at three points and resumed each time: while writing a checkpoint
+  (on_update=continue), during a weight update and mid-step (on_update=abort). Requests ran across weight
+  updates (per-token versions show the switch under continue; under abort the router reran the aborted
+  ones and no sample is short), no trained token lags more than one version, and every prompt group is
+  trained exactly once along the run that survived, each resumed run starting with the groups buffered
+  or in flight at its checkpoint.
 """
 
 import json
@@ -67,15 +68,11 @@ def test_async_with_staleness_0_gives_the_synchronous_run(tiny_task, tmp_path):
         assert dumped_uids(tmp_path / "sync", step) == dumped_uids(tmp_path / "async", step)
 
 
-def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float = 400) -> None:
-    """Run until the driver writes the state of its `nth` checkpoint, then SIGKILL its process group."""
+def _killed_at(point: str, args, run_dir, hold_file, timeout_s: float = 400) -> None:
+    """Run until the fault point `point` ("name@n", megarl.utils.faults) is reached, then SIGKILL the run's
+    process group (driver, Ray, workers, engine servers)."""
     tag = f"async-kill-{os.getpid()}"
-    env = {
-        **os.environ,
-        TAG_VAR: tag,
-        "MEGARL_FAULT_HOLD": f"checkpoint.driver_state@{nth}",
-        "MEGARL_FAULT_HOLD_FILE": str(hold_file),
-    }
+    env = {**os.environ, TAG_VAR: tag, "MEGARL_FAULT_HOLD": point, "MEGARL_FAULT_HOLD_FILE": str(hold_file)}
     with open(run_dir.parent / "killed.log", "w") as log:
         proc = subprocess.Popen(
             train_command("grpo_quickstart.yaml", args),
@@ -92,48 +89,62 @@ def _killed_at_checkpoint(args, run_dir, hold_file, nth: int, timeout_s: float =
         proc.wait()
     assert not wait_until_gone(tag, timeout_s=30)
     kill_tagged(tag)
-    assert hold_file.exists(), (run_dir.parent / "killed.log").read_text()[-4000:]
+    assert hold_file.exists(), f"{point} never reached: " + (run_dir.parent / "killed.log").read_text()[-4000:]
+    hold_file.unlink()
 
 
-def test_async_killed_mid_checkpoint_resumes_training_every_prompt_once(tiny_task, tmp_path):
-    run = tmp_path / "run"
+def _pending(run_dir, step: int) -> set:
+    """The groups a checkpoint had buffered or in flight, as uids."""
+    cursor = torch.load(run_dir / f"checkpoints/step_{step:06d}/driver_state.pt", weights_only=False)["rollouts"]
+    assert cursor["pending"], cursor
+    return {f"{k}.0:{r}" for k, r in cursor["pending"]}
+
+
+def test_async_killed_mid_checkpoint_during_an_update_and_mid_step_trains_every_prompt_once(tiny_task, tmp_path):
+    run, held = tmp_path / "run", tmp_path / "held"
     args = overrides(
         tiny_task,
         run,
         *SERVER,
         "trainer.mode=async",
+        "trainer.total_steps=5",
         "async_training.max_staleness=1",
         "async_training.on_update=continue",
         "trainer.checkpoint_every_steps=2",
         "trainer.keep_checkpoints=0",
         "rollout.max_response_tokens=200",
     )
-    # no checkpoint between steps 1 and 2: the groups admitted after step 1 are still generating at the
-    # update after step 2 (long responses), and step 3 trains them
-    _killed_at_checkpoint([*args, "trainer.total_steps=4"], run, tmp_path / "held", nth=2)
+    # 1. killed while writing the step-4 checkpoint (no checkpoint between steps 1 and 2: the groups
+    # admitted after step 1 are still generating at the update after step 2, long responses, and step 3
+    # trains them)
+    _killed_at("checkpoint.driver_state@2", args, run, held)
     first = step_rows(run)  # steps 1-4 (step 4's checkpoint never completed)
-    first_uids = {step: dumped_uids(run, step) for step in (1, 2)}
-    cursor = torch.load(run / "checkpoints/step_000002/driver_state.pt", weights_only=False)["rollouts"]
-    code, out, seconds = run_train(
-        "grpo_quickstart.yaml", [*args, "trainer.total_steps=5", "async_training.on_update=abort"]
-    )
-    assert code == 0, out[-4000:]
-    print(f"resumed run: {seconds:.0f} s")
-    assert "resumed from" in out and "(step 2)" in out
-    rows = step_rows(run)
-    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
     # under continue, requests in flight across the update after step 2 finished on the new weights
     assert first[2]["async/mixed_version_samples"] > 0, first[2]
-    # under abort, the requests in flight at an update were aborted and run again: none comes back short
+    # 2. from step 2, under abort, a checkpoint every step: killed during the weight update after step 4
+    # (its first push is the resume's), so step 3's checkpoint is the last
+    args = [*args, "async_training.on_update=abort", "trainer.checkpoint_every_steps=1"]
+    _killed_at("weights.broadcast@3", args, run, held)
+    # 3. from step 3: killed in step 5 after its old log-probs, before the actor's update
+    _killed_at("step.actor_update@2", args, run, held)
+    assert not (run / "checkpoints/step_000005").exists()
+    # 4. from step 4 to the end, a step further
+    code, out, seconds = run_train("grpo_quickstart.yaml", [*args, "trainer.total_steps=6"])
+    assert code == 0, out[-4000:]
+    print(f"last run: {seconds:.0f} s")
+    assert "resumed from" in out and "(step 4)" in out
+    rows = step_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # under abort, the requests in flight at the update after step 5 were aborted and run again: none
+    # comes back short
     assert rows[-1]["async/reruns"] > 0 and rows[-1]["async/mixed_version_samples"] == 0
     assert all(r["async/staleness_max"] <= 1 and r["async/dropped"] == 0 for r in first + rows)
-    # every prompt group trained once: steps 1-2 of the killed run, 3-5 of the rerun (its steps 3-4 were
-    # lost with the step-4 checkpoint), which starts with
-    # the groups the checkpoint had buffered or in flight
-    trained = [dumped_uids(run, step) for step in range(1, 6)]
-    assert trained[:2] == [first_uids[1], first_uids[2]]
+    # every prompt group trained once along the run that survived: steps 1-2 of the first run, 3 of the
+    # second, 4 of the third, 5-6 of the last (the steps after each one's last checkpoint were lost with
+    # it); each resumed run starts with the groups its checkpoint had buffered or in flight
+    trained = [dumped_uids(run, step) for step in range(1, 7)]
     groups = [uid for step in trained for uid in sorted(set(step))]
-    assert all(len(step) == 16 for step in trained) and len(groups) == len(set(groups)) == 20
-    assert cursor["batch"] == 3 and cursor["pending"], cursor
-    pending = {f"{k}.0:{r}" for k, r in cursor["pending"]}
-    assert pending & set(trained[2]), (pending, trained[2])
+    assert all(len(step) == 16 for step in trained) and len(groups) == len(set(groups)) == 24
+    for step in (2, 3, 4):
+        assert _pending(run, step) & set(trained[step]), (step, trained[step])
