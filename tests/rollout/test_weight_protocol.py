@@ -243,8 +243,10 @@ def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a
     dense = sum(t.numel() * 2 for _, t in first)
     updates = [first, adamw_step(first, lr=1e-5), adamw_step(first, lr=1e-5)]
     updates[2][0] = (updates[2][0][0], updates[2][0][1] + 1.0)  # one tensor changes everywhere
+    updates += [first, updates[1]]  # with delta off, then on again: both sides still agree on what is held
     sent = []
     for version, weights in enumerate(updates, 1):
+        sender.delta = version != 4
         thread, result = receiving(receiver)
         sender.check(specs_of(weights))
         assert sender.send(list(bucket_tensors(weights, 200_000)), version) == version
@@ -255,6 +257,7 @@ def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a
     assert 0 < changed < dense / 2 / 10  # most bf16 weights kept their bits at this learning rate
     assert sent[0] == dense and sent[1] == changed * 6  # int32 index + bf16 value per changed element
     assert sent[1] < sent[2] < dense  # the bucket holding the changed tensor went whole
+    assert sent[3] == dense and sent[4] < dense
 
 
 def test_an_ipc_bucket_changed_after_it_was_handed_over_is_refused_naming_its_tensor(checkpoint):

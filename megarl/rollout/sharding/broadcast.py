@@ -153,7 +153,7 @@ class BroadcastSender:
         layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
         new = position >= len(self._layouts) or self._layouts[position] != layout
         buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
-        changed = None if new else _changed(buffer, self._held.get(position))
+        changed = _changed(buffer, self._held.get(position)) if self.delta and not new else None
         self._control(_BUCKET if changed is None else _DELTA, buffer.numel() if changed is None else len(changed), new)
         if new:
             self.group.broadcast_object(layout)
