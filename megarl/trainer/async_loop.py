@@ -94,7 +94,7 @@ class Producer:
         self.per_step, self.staleness, self.over_stale = cfg.trainer.prompts_per_step, asy.max_staleness, asy.over_stale
         self.capacity = asy.max_concurrent_rollouts or self.per_step * self.n * (asy.max_staleness + 1)
         self.lock, self.clock = threading.Condition(), IdleClock()
-        self.trained = self.started = self.running = self.dropped = 0
+        self.trained = self.started = self.running = self.dropped = self.interrupted = 0
         self.version, self.paced, self.error, self.last_take = version, 0.0, None, time.perf_counter()
         self.groups: dict[tuple[int, int], Group] = {}  # admitted, not yet trained
         self.batches: dict[int, dict] = {}  # loader batch → loader state before it, rows, rows trained
@@ -221,9 +221,10 @@ class Producer:
                 "async/paced_seconds": self.paced,
                 "async/in_flight": float(self.running),
                 "async/reruns": float(self.engines.router.reruns),
+                "async/interrupted": float(self.interrupted),
                 "time/engine_idle_share": self.clock.read() / max(time.perf_counter() - self.last_take, 1e-9),
             }
-            self.dropped, self.paced, self.last_take = 0, 0.0, time.perf_counter()
+            self.dropped, self.paced, self.interrupted, self.last_take = 0, 0.0, 0, time.perf_counter()
         return picked, stats
 
     def _pick(self) -> tuple[list[Group], int]:
@@ -267,6 +268,7 @@ class Producer:
         """The engines paused (pause mode `mode`) inside the block; resumed even when it raises."""
         with self.lock:
             self.clock.change(paused=True)
+            self.interrupted += self.running
         self.call(self.engines.pause(mode))
         try:
             yield
