@@ -4,20 +4,21 @@
     python scripts/prepare_tool_quickstart.py --model runs/tool_quickstart/model --data data/tool_arithmetic [--seed 0]
 
 1. the character-level tokenizer with the compact tool template (`Tools: calculator` as the system
-   line, Hermes `<tool_call>` calls, `tool` turns) and a tiny Qwen2 (2 layers, hidden 128, 4 heads of 32);
+   line, Hermes `<tool_call>` calls, `tool` turns) and a tiny Qwen2 (3 layers, hidden 128, 4 heads of 32);
 2. the task: products of a three-digit and a two-digit number ("964*59=" → "56876") as rows with
    `agent_name: tool_agent` and `data_source: tool_arithmetic`; `test` holds 128 distinct problems;
 3. an SFT warm-up (`megarl.trainer.tool_sft` + `megarl.trainer.sft`) in two phases. First
    `--copy-steps` on a teacher who always calls the calculator (the call, then after the tool's result
    the answer): the policy learns the call format and the two copies it needs (the expression into
-   the call, the tool's result into the answer) — a 2-layer model learns them only after a plateau
-   whose length varies by seed (150 to over 1000 steps), so this phase is all calls and runs until
-   95% of held-out calls and answers come out exact (teacher forced, checked every 50 steps; at most
-   `--copy-steps`). The calls write "arguments" before "name" and every answer has five digits: with
-   "name" first or answers of 4 or 5 digits, a copy stalled for over a thousand steps (measured). Then `--sft-steps` on a teacher who calls in
-   `--call-share` of its demonstrations and guesses in the rest (the product with one digit wrong).
-   The policy ends up mostly guessing greedily (accuracy ~0), while some of its samples call the tool
-   and, copying correctly, score. RL on the exact answer shifts it to calling.
+   the call, the tool's result into the answer) — a model learns them only after a plateau whose
+   length varies by seed (2 layers: 150 to over 1000 steps, one seed in three never got there within
+   1000; 3 layers: 300 to 550 steps), so this phase is all calls and runs until 95% of held-out calls
+   and answers come out exact (teacher forced, checked every 50 steps; at most `--copy-steps`). The
+   calls write "arguments" before "name" and every answer has five digits: with "name" first or
+   answers of 4 or 5 digits, a copy stalled for over a thousand steps (measured). Then `--sft-steps`
+   on a teacher who calls in `--call-share` of its demonstrations and guesses in the rest (the
+   product with one digit wrong). The policy ends up calling in its greedy first turn on 40-70% of
+   the problems and guessing on the rest; RL on the exact answer shifts it to calling.
 The share of greedy first turns that call the tool is printed (greedy decoding with transformers).
 """
 
@@ -46,7 +47,7 @@ def build_model(model_dir: Path, seed: int):
         tok,
         seed=seed,
         hidden_size=128,
-        num_layers=2,
+        num_layers=3,
         num_heads=4,
         num_kv_heads=4,
         intermediate_size=256,
