@@ -160,7 +160,10 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     sender = BroadcastSender(groups[0])
     broadcast, objects = [], []
     send_tensor, send_object = groups[0].broadcast, groups[0].broadcast_object
-    groups[0].broadcast = lambda tensor, src=0: (broadcast.append(tensor.data_ptr()), send_tensor(tensor, src))
+    groups[0].broadcast = lambda tensor, src=0, **kw: (
+        broadcast.append(tensor.data_ptr()),
+        send_tensor(tensor, src, **kw),
+    )[1]
     groups[0].broadcast_object = lambda obj=None, src=0: (objects.append(obj), send_object(obj, src))[1]
     for version in (4, 5, None):
         thread, result = receiving(receiver)

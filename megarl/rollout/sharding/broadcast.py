@@ -63,12 +63,17 @@ class WeightGroup:
         else:
             raise ValueError(f"weight-group backend {backend!r} is unknown; use gloo (CPU) or nccl (GPU)")
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, wait: bool = True):
+        """Broadcast `tensor` from `src`; `wait=False` returns the work to wait on (the bytes move meanwhile)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        work = self.pg.broadcast([tensor], opts)
+        if not wait:
+            return work
+        work.wait()
+        return None
 
     def broadcast_object(self, obj=None, src: int = 0):
         payload = pickle.dumps(obj) if self.rank == src else b""
@@ -159,15 +164,18 @@ class BroadcastSender:
             self.group.broadcast_object(layout)
             self._layouts[position : position + 1] = [layout]
         if changed is None:
-            self.group.broadcast(buffer)
+            moving = self.group.broadcast(buffer, wait=False)
             self.sent_bytes += buffer.numel() * buffer.element_size()
         else:
             values = buffer[changed]
             self.group.broadcast(changed)
-            self.group.broadcast(values)
+            moving = self.group.broadcast(values, wait=False)
             self.sent_bytes += changed.numel() * 4 + values.numel() * values.element_size()
-        if self.verify:
-            self.group.broadcast(checksums(FlatBucket(buffer, bucket.entries)))
+        # the checksums are taken while the bytes move (gloo sends from its own thread): off the critical path
+        sums = checksums(FlatBucket(buffer, bucket.entries)) if self.verify else None
+        moving.wait()
+        if sums is not None:
+            self.group.broadcast(sums)
         if self.delta and buffer.dtype in _DELTA_DTYPES:
             held = self._held.get(position)
             if held is None or held.shape != buffer.shape:
