@@ -23,18 +23,7 @@ import tempfile
 import time
 
 import torch
-
-from megarl.testing.models import tiny_hf_config
-
-
-def model_config(quick: bool):
-    if quick:
-        return tiny_hf_config(
-            "llama", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704
-        )
-    return tiny_hf_config(
-        "llama", vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, intermediate_size=2048
-    )
+from weight_sync import model_config  # the same two model sizes (this script runs from benchmarks/)
 
 
 def receiver(hf_dir: str, port: int) -> None:
