@@ -305,7 +305,8 @@ def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[tor
     smaller than the buffer."""
     if held is None or held.shape != buffer.shape or buffer.dtype not in _DELTA_DTYPES or buffer.numel() >= 2**31:
         return None
-    changed = (buffer.view(torch.int16) != held.view(torch.int16)).nonzero().flatten()
-    if changed.numel() * (4 + buffer.element_size()) >= buffer.numel() * buffer.element_size():
+    differs = buffer.view(torch.int16) != held.view(torch.int16)
+    # count before indexing: a bucket that goes dense never materialises its (8-byte) indices
+    if int(differs.sum()) * (4 + buffer.element_size()) >= buffer.numel() * buffer.element_size():
         return None
-    return changed.to(torch.int32)
+    return differs.nonzero().flatten().to(torch.int32)
