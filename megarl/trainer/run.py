@@ -104,8 +104,10 @@ def train(cfg, derived) -> list[dict]:
             log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1",  # worker logs: Ray session dir
             runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK},
         )  # workers die with their raylet
+        ray_s = time.perf_counter() - start
         cluster = Cluster(cfg, derived)
-        print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s", flush=True)
+        phases = ", ".join(f"{name} {s:.1f}" for name, s in {"ray": ray_s, **cluster.startup}.items())
+        print(f"[megarl] workers ready in {time.perf_counter() - start:.1f} s ({phases})", flush=True)
         nodes = _alive_nodes()
         trainer = RLTrainer if cfg.trainer.mode == "sync" else AsyncRLTrainer
         return trainer(cfg, derived, cluster, data).fit()
