@@ -60,6 +60,7 @@ class RLTrainer:
 
     def __init__(self, cfg, derived, cluster, data):
         self.cfg, self.derived, self.cluster, self.data = cfg, derived, cluster, data
+        self.parts = PhaseTimer()  # seconds per part of `fit`: steps, validation, checkpoints, export, plot
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_reward)
         self.mfu = mfu_meter(cfg, derived)
         ro = cfg.rollout
@@ -89,20 +90,24 @@ class RLTrainer:
         if tr.val_only:
             return self.validate_only()
         self.log = RunLogger(self.cfg, start_step=self.step)
-        history = []
+        history, parts = [], self.parts
         try:
             if self.step == 0 and val.before_train:
-                self.log.log(0, self.validate(), advance=False)
+                with parts("validation"):
+                    self.log.log(0, self.validate(), advance=False)
             while self.step < tr.total_steps:
                 self.step += 1
-                metrics = self.train_step(self.step)
+                with parts("steps"):
+                    metrics = self.train_step(self.step)
                 if _every(self.step, val.every_steps, tr.total_steps):
-                    metrics.update(self.validate())
+                    with parts("validation"):
+                        metrics.update(self.validate())
                 self.log.log(self.step, metrics)
                 self.warn(self.zero_variance.update(metrics))
                 history.append(metrics)
                 if _every(self.step, tr.checkpoint_every_steps, tr.total_steps):
-                    self.save_checkpoint(self.step)
+                    with parts("checkpoints"):
+                        self.save_checkpoint(self.step)
             self.finish()
         finally:
             self.log.close()
@@ -378,11 +383,19 @@ class RLTrainer:
     def finish(self) -> None:
         """Final HF export and the reward plot."""
         if self.cfg.trainer.export_hf_at_end:
-            self.cluster.actor.export_hf(str(Path(self.cfg.trainer.run_dir) / "hf"))
+            with self.parts("export"):
+                self.cluster.actor.export_hf(str(Path(self.cfg.trainer.run_dir) / "hf"))
         self.log.print(f"[megarl] {self.log.summary()}")
-        plot = self.log.plot()
+        with self.parts("plot"):
+            plot = self.log.plot()
         if plot is not None:
             self.log.print(f"[megarl] reward curve: {plot}")
+        self.log.print(f"[megarl] time in the loop: {time_summary(self.parts.seconds)}")
+
+
+def time_summary(seconds: dict[str, float]) -> str:
+    """"steps 56.1 s, validation 3.2 s, ..." (seconds of each part of `fit`, in the order they ran)."""
+    return ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()) or "nothing ran"
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:

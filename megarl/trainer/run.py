@@ -201,6 +201,8 @@ def _stop(cluster, data, ray_too: bool) -> None:
     if cluster is not None:
         cluster.shutdown()
     data.rewards.close()
+    if cluster is not None and not ray_too:
+        print(f"[megarl] workers stopped in {time.perf_counter() - start:.1f} s", flush=True)
     if ray_too:
         import ray
 
