@@ -394,7 +394,7 @@ class RLTrainer:
 
 
 def time_summary(seconds: dict[str, float]) -> str:
-    """"steps 56.1 s, validation 3.2 s, ..." (seconds of each part of `fit`, in the order they ran)."""
+    """Seconds of each part of `fit` in the order they first ran: "steps 56.1 s, validation 3.2 s, ..."."""
     return ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()) or "nothing ran"
 
 
