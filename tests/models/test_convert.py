@@ -175,3 +175,16 @@ def test_torchrun_launch_converts_with_the_same_result(tiny_models, tmp_path):
     assert read_metadata(tmp_path / "mcore")["written_with_layout"]["tp"] == 2
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
     _assert_bit_exact(tiny_models["mistral"], tmp_path / "hf")
+
+
+def test_a_synchronous_save_starts_no_results_manager_process():
+    """megatron-core would spawn a multiprocessing Manager (importing torch again) for its write-results
+    queue on a process's first save; megarl's synchronous saves hand it an in-process queue instead."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megarl.models.convert import save_strategy
+
+    save_strategy()
+    assert isinstance(filesystem_async.get_write_results_queue(), queue.Queue)

@@ -234,3 +234,22 @@ def test_pause_abort_returns_partial_and_new_requests_wait(engine):
     from rollout_api_checks import check_pause_abort_returns_partial_and_queues_new_requests
 
     check_pause_abort_returns_partial_and_queues_new_requests(engine)
+
+
+@pytest.mark.parametrize(
+    "start, on_gpu, expected", [("fork", False, "fork"), ("spawn", False, None), ("fork", True, None)]
+)
+def test_the_cpu_engine_core_starts_by_fork_unless_opted_out_or_on_gpu(monkeypatch, start, on_gpu, expected):
+    """Only vLLM's engine-core start is switched (its TP workers keep their method), only while the engine
+    starts, only on CPU, and MEGARL_VLLM_CORE_START=spawn keeps vLLM's spawn."""
+    import vllm.v1.engine.utils as engine_utils
+
+    from megarl.rollout.vllm_engine import _fork_engine_core
+
+    monkeypatch.setenv("MEGARL_VLLM_CORE_START", start)
+    original = engine_utils.get_mp_context
+    with _fork_engine_core(on_gpu):
+        inside = engine_utils.get_mp_context
+        method = inside().get_start_method() if inside is not original else None
+    assert method == expected
+    assert engine_utils.get_mp_context is original
