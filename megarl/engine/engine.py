@@ -445,22 +445,33 @@ def _assemble(store: list, rows: int) -> dict:
 
 
 def _reduce_stats(store: list) -> dict:
-    """Loss summed over micro-batches; stats as weighted sums (weight: response tokens)."""
+    """Loss summed over micro-batches; stats as weighted sums (weight: response tokens), except stats
+    named `*_max`, which are maxima."""
     sums = {"loss": sum(float(loss) for loss, _, _ in store), "_weight": sum(w for _, _, w in store)}
     for _, stats, weight in store:
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + float(value) * weight
+            if key.endswith("_max"):
+                sums[key] = max(sums.get(key, float("-inf")), float(value))
+            else:
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
     return sums
 
 
 def _all_reduce_stats(sums: dict, dp_group) -> dict:
-    keys = sorted(sums)
-    values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_comm_device())
-    if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(values, group=dp_group)
-    total = dict(zip(keys, values.tolist()))
+    """The step's stats over DP: token-weighted means, maxima for `*_max`, the summed loss."""
+    total = {}
+    for op, keys in (
+        (dist.ReduceOp.SUM, sorted(k for k in sums if not k.endswith("_max"))),
+        (dist.ReduceOp.MAX, sorted(k for k in sums if k.endswith("_max"))),
+    ):
+        if not keys:
+            continue
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_comm_device())
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(values, op=op, group=dp_group)
+        total.update(zip(keys, values.tolist()))
     weight = max(total.pop("_weight"), 1e-12)
-    return {k: (v if k == "loss" else v / weight) for k, v in total.items()}
+    return {k: (v if k == "loss" or k.endswith("_max") else v / weight) for k, v in total.items()}
 
 
 def _broadcast_from_last_stage(value, groups: RoleGroups):

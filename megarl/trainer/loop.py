@@ -139,9 +139,11 @@ class RLTrainer:
         """The training phases of a step on its samples (also the async driver's): the step's metrics.
         `scoring`: the future of rewards still being scored (`overlaps_rewards`), joined after the log-probs."""
         cluster = self.cluster
+        on_policy = self.skips_old_log_probs(step, batch)
         with cluster.rollout.asleep(timer):  # colocated engines free their memory
-            with timer("old_log_probs"):
-                batch = batch.union(cluster.actor.compute_log_probs(batch))
+            if not on_policy:
+                with timer("old_log_probs"):
+                    batch = batch.union(cluster.actor.compute_log_probs(batch))
             if cluster.ref:
                 with timer("ref_log_probs"):
                     batch = batch.union(cluster.ref.compute_log_probs(batch))
@@ -159,12 +161,27 @@ class RLTrainer:
             hold("step.actor_update")  # fault injection: mid-step
             if self.actor_trains(step):
                 with timer("actor_update"):
-                    stats.update(self.update("actor", batch))
+                    stats.update(_gap_metrics(self.update("actor", batch)))
         if self.actor_trains(step):  # critic warm-up: engines keep their weights
             with timer("weight_sync"):
                 stats["rollout/policy_version"] = float(self.push_weights())
         self.dump_rollouts(step, batch)
         return {**batch_metrics(batch), **stats, **timing_metrics(timer, batch, self.mfu)}
+
+    def skips_old_log_probs(self, step: int, batch: Batch) -> bool:
+        """The step's actor update is its only one and nothing else reads the old log-probs: the policy
+        before that update is the current one, so the update takes them from its own forward (detached)
+        instead of a separate forward pass (sync mode, one mini-batch, one epoch, no KL-in-reward, no
+        rollout/train importance correction)."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        return (
+            cfg.trainer.mode == "sync"
+            and self.actor_trains(step)
+            and self.derived.updates_per_step["actor"] == 1
+            and len(batch) <= self.derived.samples_per_update["actor"]
+            and alg.kl_reward.coef == 0
+            and alg.mismatch.level is None
+        )
 
     def push_weights(self) -> int:
         """The actor's weights into the engines; their new policy version."""
@@ -391,6 +408,13 @@ class RLTrainer:
         if plot is not None:
             self.log.print(f"[megarl] reward curve: {plot}")
         self.log.print(f"[megarl] time in the loop: {time_summary(self.parts.seconds)}")
+
+
+def _gap_metrics(stats: dict) -> dict:
+    """An update that took the old log-probs from its own forward reports the rollout/train log-prob gap
+    (`actor/rollout_mismatch_*`): under the name `batch_metrics` gives it otherwise (`rollout/mismatch_*`)."""
+    prefix = "actor/rollout_mismatch_"
+    return {(f"rollout/mismatch_{k[len(prefix) :]}" if k.startswith(prefix) else k): v for k, v in stats.items()}
 
 
 def time_summary(seconds: dict[str, float]) -> str:

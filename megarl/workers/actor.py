@@ -5,7 +5,7 @@ the objective itself: `ActorLossConfig` and `actor_loss` (policy loss + β·KL(�
 one aggregation mode, global denominators).
 
 Reads (batch columns): input_ids, attention_mask, response_mask; for the update also
-old_log_probs, advantages (+ ref_log_probs with a KL loss, is_weights when mismatch correction is
+old_log_probs (absent: the step's only update, taken from its own forward), advantages (+ ref_log_probs with a KL loss, is_weights when mismatch correction is
 on, rollout_log_probs: the behaviour policy of decoupled_ppo). Writes: old_log_probs, entropy.
 Must not import vLLM or Ray.
 """
@@ -15,7 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megarl.algorithms import KLConfig, PolicyLossConfig, PolicyLossInputs, entropy_bonus, get_policy_loss, kl_loss
+from megarl.algorithms import (
+    KLConfig,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    entropy_bonus,
+    get_policy_loss,
+    kl_loss,
+    mismatch_metrics,
+)
 from megarl.data.batch import Batch
 from megarl.engine.heads import LogProbHead, aggregation
 from megarl.engine.micro import MicroBatch
@@ -61,9 +69,13 @@ def actor_loss(cfg: ActorLossConfig):
         rows, agg = mb.batch, aggregation(mb, cfg.loss_agg_mode, cfg.max_response_len)
         dev = outputs["log_probs"].device
         mask = rows["response_mask"].to(dev)
+        # without old_log_probs the update is the step's only one (`RLTrainer.skips_old_log_probs`): the
+        # policy before it is the current one, so its log-probs are this forward's, detached
+        on_policy = "old_log_probs" not in rows
+        old = outputs["log_probs"].detach() if on_policy else rows["old_log_probs"].to(dev)
         inputs = PolicyLossInputs(
             outputs["log_probs"],
-            rows["old_log_probs"].to(dev),
+            old,
             rows["advantages"].to(dev),
             mask,
             _optional(rows, "is_weights", dev),
@@ -76,6 +88,9 @@ def actor_loss(cfg: ActorLossConfig):
             )
             loss, stats = loss + kl, {**stats, **kl_stats}
         bonus, ent_stats = entropy_bonus(outputs["entropy"], mask, agg, cfg.entropy_coef)
+        if on_policy and "rollout_log_probs" in rows:  # the trainer/engine gap, from this forward
+            gap = mismatch_metrics(old, rows["rollout_log_probs"].to(dev), mask)
+            ent_stats = {**ent_stats, **{f"rollout_{k}": v for k, v in gap.items()}}
         return loss + bonus if cfg.entropy_coef else loss, {**stats, **ent_stats}
 
     return loss_fn

@@ -311,3 +311,29 @@ def moe_checkpoint_rank(hf, root):
     out["back"] = {"loaded": _weights(back.engine), "steps": _steps(back, batch, 1), "final": _weights(back.engine)}
     out["ep1"]["next"] = {"steps": _steps(resumed, batch, 1), "final": _weights(resumed.engine)}
     return out
+
+
+def on_policy_rank(hf):
+    """At DP2 with several micro-batches per rank: one actor update fed the old log-probs of a separate
+    forward, and the same update taking them from its own forward (no old_log_probs column)."""
+    from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
+
+    batch = padded_batch()
+    results = {}
+    for i, recomputed in enumerate((True, False)):
+        engine = build(hf, ParallelLayout(), first=i == 0, optim=linear_adam(), micro_batch_tokens=14)
+        actor, rows = Actor(engine), local_rows(engine, batch)
+        old = actor.compute_log_probs(rows)["old_log_probs"]
+        gen = torch.Generator().manual_seed(1 + engine.groups.dp_rank)
+        rows["rollout_log_probs"] = old + 0.05 * torch.randn(old.shape, generator=gen) * rows["response_mask"]
+        if recomputed:
+            rows["old_log_probs"] = old
+            results["gap_inputs"] = (old, rows["rollout_log_probs"], rows["response_mask"])
+        else:
+            rows = rows.select(*[k for k in rows.keys() if k != "old_log_probs"])
+        before = {name: t.clone() for name, t in engine.hf_weights()}
+        metrics = actor.update(rows)
+        deltas = {name: after - before[name] for name, after in engine.hf_weights()}
+        results["recomputed" if recomputed else "own"] = (metrics, deltas)
+    return results

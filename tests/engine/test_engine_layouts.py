@@ -86,3 +86,25 @@ def test_actor_and_critic_updates_match_single_process_at_tp2_pp2_dp2_tp2xpp2_vp
     _assert_same(_merge(two, 5), _merge(single, 5))  # critic (value head, clipped value loss) at TP2
     _assert_same(_merge(two, 6), _merge(single, 5))  # ... and at PP2 with micro-batches
     _assert_same(_merge(four, 0), reference)
+
+
+def test_an_update_without_old_log_probs_takes_them_from_its_own_forward(models):
+    """The step's only update may skip the separate log-prob forward: the same loss, gradients and policy
+    statistics as when fed that forward's log-probs, and the rollout/train gap measured on its own forward
+    (token-weighted mean over micro-batches and DP ranks, max for the max)."""
+    from megarl.algorithms import mismatch_metrics
+
+    per_rank = run_distributed(C.on_policy_rank, 2, models["llama"], timeout=300)
+    for result in per_rank:
+        (fed, fed_deltas), (own, own_deltas) = result["recomputed"], result["own"]
+        assert own["loss"] == pytest.approx(fed["loss"], rel=1e-5, abs=1e-6)
+        assert own["grad_norm"] == pytest.approx(fed["grad_norm"], rel=1e-4)
+        for key in ("pg_loss", "pg_clipfrac", "entropy"):
+            assert own[key] == pytest.approx(fed[key], rel=1e-4, abs=1e-6), key
+        for name in fed_deltas:
+            torch.testing.assert_close(own_deltas[name], fed_deltas[name], rtol=1e-3, atol=2e-6)
+        assert not any(k.startswith("rollout_mismatch") for k in fed)
+    old, rollout, mask = (torch.cat([r["gap_inputs"][i] for r in per_rank]) for i in range(3))
+    expected = mismatch_metrics(old, rollout, mask)
+    for key, value in expected.items():
+        assert per_rank[0]["own"][0][f"rollout_{key}"] == pytest.approx(float(value), rel=1e-4, abs=1e-7), key

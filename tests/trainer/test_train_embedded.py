@@ -58,6 +58,9 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
         "rollout.engine=embedded",
         f"reward.batch_reward_fn={HERE / 'judge_reward.py'}:judge",
         "reward.num_workers=0",
+        # two epochs: the update is not the step's only one, so the old log-probs get their own forward
+        # (one update would take them from its own forward: no log-prob phase for the reward to hide behind)
+        "actor.epochs_per_step=2",
         "trainer.total_steps=2",
         "trainer.checkpoint_every_steps=0",
         "trainer.export_hf_at_end=false",
