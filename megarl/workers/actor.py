@@ -5,8 +5,9 @@ the objective itself: `ActorLossConfig` and `actor_loss` (policy loss + β·KL(�
 one aggregation mode, global denominators).
 
 Reads (batch columns): input_ids, attention_mask, response_mask; for the update also
-old_log_probs (absent: the step's only update, taken from its own forward), advantages (+ ref_log_probs with a KL loss, is_weights when mismatch correction is
-on, rollout_log_probs: the behaviour policy of decoupled_ppo). Writes: old_log_probs, entropy.
+old_log_probs (absent: the step's only update takes them from its own forward), advantages
+(+ ref_log_probs with a KL loss, is_weights when mismatch correction is on, rollout_log_probs: the
+behaviour policy of decoupled_ppo). Writes: old_log_probs, entropy.
 Must not import vLLM or Ray.
 """
 
@@ -88,10 +89,10 @@ def actor_loss(cfg: ActorLossConfig):
             )
             loss, stats = loss + kl, {**stats, **kl_stats}
         bonus, ent_stats = entropy_bonus(outputs["entropy"], mask, agg, cfg.entropy_coef)
+        gap = {}
         if on_policy and "rollout_log_probs" in rows:  # the trainer/engine gap, from this forward
-            gap = mismatch_metrics(old, rows["rollout_log_probs"].to(dev), mask)
-            ent_stats = {**ent_stats, **{f"rollout_{k}": v for k, v in gap.items()}}
-        return loss + bonus if cfg.entropy_coef else loss, {**stats, **ent_stats}
+            gap = {f"rollout_{k}": v for k, v in mismatch_metrics(old, rows["rollout_log_probs"].to(dev), mask).items()}
+        return loss + bonus if cfg.entropy_coef else loss, {**stats, **ent_stats, **gap}
 
     return loss_fn
 
