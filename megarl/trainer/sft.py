@@ -13,6 +13,7 @@ warm up with the Megatron engine under torchrun. Imports torch and transformers 
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Optional, Sequence
 
@@ -121,12 +122,16 @@ def exact_share(model, examples: Sequence[tuple[list[int], int]], batch_size: in
 
 @torch.no_grad()
 def greedy_answers(
-    hf_path: str, examples: list[tuple[list[int], int]], max_new_tokens: int = 4, batch_size: int = 256
+    model, examples: list[tuple[list[int], int]], max_new_tokens: int = 4, batch_size: int = 256
 ) -> list[list[int]]:
-    """The greedy continuation of each example's prompt (left-padded batches), up to and including eos."""
-    from transformers import AutoModelForCausalLM
+    """The greedy continuation of each example's prompt (left-padded batches), up to and including eos.
 
-    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    model: an HF checkpoint directory, or a loaded `transformers` causal LM (left in eval mode)."""
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
     pad, eos = model.config.pad_token_id or 0, model.config.eos_token_id
     answers = []
     for start in range(0, len(examples), batch_size):
