@@ -89,7 +89,8 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
     """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack.
 
     Every bucket arrives as one flat buffer holding its HF tensors contiguously in plan order, bit
-    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy.
+    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy. A
+    sharded bucket unpacked with one row read from that TP rank's parameters (`own`) is the same.
     """
     config = _CONFIGS[arch] if arch != "qwen2" else tiny_hf_config("qwen2", num_layers=4)
     dims = describe_hf_config(config)
@@ -116,6 +117,13 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
         ]
         if not bucket.sharded:
             assert flat.buffer.data_ptr() == gathered.data_ptr()  # travels as received
+        for row, (_, _, local) in enumerate(layouts if bucket.sharded else []):
+            # a rollout rank that is TP rank `row` of the stage reads its shards from its parameters
+            unpacked = gathered.view(tp, -1).clone()
+            unpacked[row] = float("nan")  # never packed
+            params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
+            own = unpack_bucket(bucket, unpacked.view(-1), wmap.dims, own=(row, params))
+            assert torch.equal(own.buffer, flat.buffer)
         for entry, (name, tensor) in zip(flat.entries, flat.tensors()):
             assert tensor.data_ptr() == flat.buffer.data_ptr() + entry.offset * tensor.element_size()  # views
             got[name] = tensor.clone()

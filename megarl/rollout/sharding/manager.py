@@ -26,7 +26,7 @@ import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
-from megarl.rollout.sharding.transport import BufferRing, KeptBuffers, stream_buckets, unpack_bucket
+from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, stream_buckets, unpack_bucket
 
 
 @dataclass
@@ -85,6 +85,8 @@ class ShardingManager:
     and `keeps_buffers`: vLLM by IPC), keep one shared-memory buffer per bucket from sync to sync
     (`transport.KeptBuffers`: no fresh pages to allocate and zero after the first sync, for about the
     model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
+    On CPU the transport's reusable rings (`transport.SyncBuffers`: up to 3 × bucket_bytes on a
+    rollout rank by default, 2 packed shares on a sender) are kept from sync to sync too.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class ShardingManager:
         self.bucket_bytes = bucket_bytes
         self.prefetch = prefetch
         self.kept = KeptBuffers() if keep_shared_buffers else None
+        self._buffers: dict[bool, SyncBuffers] = {}  # per `shared`: the last completed sync's rings (CPU)
         self.rank = dist.get_rank()
         self._local = self._local_params(chunks)
         self._rollout_ranks = rollout_ranks
@@ -190,10 +193,13 @@ class ShardingManager:
         shared memory on CPU.
         """
         plan, dims = self.plan, self.bridge.dims
-        outputs = BufferRing(1, shared=shared)  # the consumer is done with a bucket when it asks for the next
+        # Taken out while this sync runs (a second, overlapping iteration gets rings of its own);
+        # put back only after a complete sync, and only on CPU (`SyncBuffers`).
+        buffers = self._buffers.pop(shared, None) or SyncBuffers(self.prefetch, shared=shared)
+        outputs = buffers.out  # the consumer is done with a bucket when it asks for the next
         kept = self.kept if fresh and shared else None
         with torch.no_grad():
-            for bucket, gathered in stream_buckets(
+            for bucket, gathered, own_row in stream_buckets(
                 plan.buckets,
                 self._local,
                 my_rank=self.rank,
@@ -205,6 +211,7 @@ class ShardingManager:
                 fresh=fresh,
                 shared=shared,
                 kept=kept,
+                buffers=buffers,
             ):
                 out = None
                 if bucket.sharded:
@@ -213,10 +220,14 @@ class ShardingManager:
                         if kept is not None
                         else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh)
                     )
-                yield unpack_bucket(bucket, gathered, dims, out)
+                own = None if own_row is None else (own_row, self._local)
+                yield unpack_bucket(bucket, gathered, dims, out, own)
+        if buffers.keepable():
+            self._buffers[shared] = buffers
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every bucket in turn; a tensor is valid until the next bucket starts."""
+        """(HF name, tensor) of every bucket in turn; a tensor is valid until the next bucket starts
+        (the last bucket's until the next sync, on CPU, where the buffers are kept)."""
         for bucket in self.iter_buckets():
             yield from bucket.tensors()
 

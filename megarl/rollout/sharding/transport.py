@@ -13,11 +13,14 @@ pipeline stages pack and ship their buckets concurrently while it unpacks. gloo 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
 one output buffer; a replicated bucket's received buffer is already the flat bucket (no copy).
+A rollout rank that is itself a TP rank of the bucket's stage does not pack its own shards of a
+sharded bucket: unpacking reads them from its parameters (one copy of its share, not two).
 Buffers are reused from bucket to bucket within a sync (fresh allocations cost page faults
 comparable to the copy itself) unless the consumer keeps them (`fresh=True`: every yielded
-bucket gets its own buffer), and are freed after it — or, for a consumer in another process on
-CPU, kept for the next sync (`KeptBuffers`: one shared-memory buffer per bucket, written again by
-every sync). Peak extra memory on a rollout rank:
+bucket gets its own buffer); after a sync they are freed, except on CPU, where the sharding
+manager keeps the rings for the next sync (`SyncBuffers`: a freed large buffer comes back as
+fresh pages) and, for a consumer in another process, one shared-memory buffer per bucket
+(`KeptBuffers`, written again by every sync). Peak extra memory on a rollout rank:
 (1 + prefetch) gathered buckets + one output bucket (3 × bucket_bytes by default) plus, with
 `fresh`, the buckets the consumer still holds; on a sender: two packed shares of a bucket.
 """
@@ -53,11 +56,20 @@ def pack_bucket(bucket: Bucket, local_params: dict, dims, out: Optional[torch.Te
     return buf
 
 
-def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, dims, out: Optional[torch.Tensor] = None) -> FlatBucket:
+def unpack_bucket(
+    bucket: Bucket,
+    gathered: torch.Tensor,
+    dims,
+    out: Optional[torch.Tensor] = None,
+    own: Optional[tuple[int, dict]] = None,
+) -> FlatBucket:
     """The flat bucket of HF tensors from the gathered buffer [rows * local_numel] (rows: TP size, or 1).
 
     Sharded buckets are written into `out` (a flat buffer of ≥ `bucket.hf_numel` elements,
-    allocated when None); a replicated bucket is the gathered buffer itself.
+    allocated when None); a replicated bucket is the gathered buffer itself. `own` = (row,
+    local_params): that row of a sharded bucket was never packed (a rollout rank that is itself a
+    TP rank of the bucket's stage); its shards are read from the parameters themselves, which
+    saves copying this rank's share twice.
     """
     if not bucket.sharded:
         return FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
@@ -67,6 +79,8 @@ def unpack_bucket(bucket: Bucket, gathered: torch.Tensor, dims, out: Optional[to
     cursor = 0
     for p in bucket.params:
         shards = [row[p.offset : p.offset + p.numel].view(p.meta.shape) for row in rows]
+        if own is not None:
+            shards[own[0]] = own[1][(p.meta.vp_stage, p.meta.name)].detach()
         p.mapping.unshard_to_hf(shards, dims, out[cursor : cursor + p.hf_numel])
         cursor += p.hf_numel
     return FlatBucket(out[: bucket.hf_numel], bucket.entries)
@@ -85,18 +99,25 @@ def stream_buckets(
     fresh: bool = False,
     shared: bool = False,
     kept: Optional["KeptBuffers"] = None,
+    buffers: Optional["SyncBuffers"] = None,
 ) -> Iterator[tuple[Bucket, torch.Tensor]]:
-    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer) on rollout ranks.
+    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
+
+    own row: in a sharded bucket of this rank's own stage, the row of the gathered buffer left
+    unwritten (this rank's shards, which `unpack_bucket(..., own=(row, local_params))` reads
+    from the parameters); None otherwise.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
     generator is resumed; with `fresh`, a replicated bucket's buffer (which becomes the flat
     bucket) is never reused within this sync (with `kept`, it is that bucket's kept buffer, which
-    the next sync writes again). `shared`: yielded buffers live in shared memory (CPU).
+    the next sync writes again). `shared`: yielded buffers live in shared memory (CPU). `buffers`:
+    the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
     """
     order = list(buckets)  # the plan's transfer order; p2p messages match by (source, tag)
-    recv_slots, send_slots = BufferRing(prefetch + 1, shared=shared), BufferRing(2)
+    buffers = buffers or SyncBuffers(prefetch, shared=shared)
+    recv_slots, send_slots = buffers.recv, buffers.send
     sends: deque = deque()
     posted: deque = deque()
     to_post = iter(order) if my_rank in dest_ranks else iter(())
@@ -144,6 +165,27 @@ class BufferRing:
         if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
             buf = self.buffers[i] = alloc_flat(nbytes, torch.uint8, device, shared=self.shared)
         return buf[:nbytes].view(dtype)
+
+
+class SyncBuffers:
+    """The rings one sync reuses from bucket to bucket: gathered buckets, packed shares, unpacked outputs.
+
+    On CPU the sharding manager keeps them from sync to sync: a large buffer freed to the system
+    comes back as fresh pages, and faulting them in costs several times the copy into them (about
+    6× on a 2-core host). Held between syncs: the rings' buffers, at most (1 + prefetch) gathered
+    buckets + one output bucket on a rollout rank and two packed shares on a sender. On GPU the
+    caching allocator already reuses freed blocks, so nothing is kept there (`keepable`).
+    """
+
+    def __init__(self, prefetch: int, *, shared: bool = False):
+        self.recv = BufferRing(prefetch + 1, shared=shared)
+        self.send = BufferRing(2)
+        self.out = BufferRing(1, shared=shared)
+
+    def keepable(self) -> bool:
+        """True when every buffer the rings hold is in host memory."""
+        rings = (self.recv, self.send, self.out)
+        return all(b is None or b.device.type == "cpu" for ring in rings for b in ring.buffers)
 
 
 class KeptBuffers:
@@ -200,7 +242,8 @@ def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, s
 def _post_receive(
     bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers] = None
 ):
-    """Take a gathered buffer [rows, local_numel]; irecv every remote row, pack our own."""
+    """Take a gathered buffer [rows, local_numel]; irecv every remote row; pack our own only when the
+    bucket is replicated (its buffer is the flat bucket); a sharded one's own row stays unwritten."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -212,19 +255,21 @@ def _post_receive(
         else slots.take(numel, bucket.dtype, device, fresh=fresh)
     )
     gathered = flat.view(len(sources), -1)
-    works = []
+    works, own_row = [], None
     for row, src in enumerate(sources):
-        if src == my_rank:
-            pack_bucket(bucket, local_params, dims, out=gathered[row])
-        else:
+        if src != my_rank:
             works.append(dist.irecv(gathered[row], src=src, tag=bucket.index))
-    return bucket, gathered, works
+        elif bucket.sharded:
+            own_row = row
+        else:
+            pack_bucket(bucket, local_params, dims, out=gathered[row])
+    return bucket, gathered, works, own_row
 
 
-def _finish_receive(bucket, gathered, works):
+def _finish_receive(bucket, gathered, works, own_row):
     for work in works:
         work.wait()
-    return bucket, gathered.view(-1)
+    return bucket, gathered.view(-1), own_row
 
 
 def _default_device() -> torch.device:
