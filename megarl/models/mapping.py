@@ -96,6 +96,15 @@ class Mapping:
             return [full]
         return write_flat(self.to_hf(self.unshard(shards), dims), out)
 
+    @property
+    def hf_is_shards_in_order(self) -> bool:
+        """True when the one HF tensor is the first elements of the TP shards laid end to end, in rank
+        order (split on dim 0; `to_hf` at most drops trailing rows): a buffer holding the contiguous
+        shards one after another then holds the HF tensor, with no copy. False for any subclass that
+        changes `unshard` or `to_hf` unless it says otherwise."""
+        plain = type(self).unshard is Mapping.unshard and type(self).to_hf is Mapping.to_hf
+        return plain and self.tp_dim == 0 and len(self.hf) == 1
+
     def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
         """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
 
@@ -124,6 +133,11 @@ class VocabMapping(Mapping):
 
     def to_hf(self, full, dims):
         return [full[: dims.vocab_size]]
+
+    @property
+    def hf_is_shards_in_order(self) -> bool:
+        """The real vocabulary rows come first, the padding rows last: the shards end to end."""
+        return type(self).to_hf is VocabMapping.to_hf and type(self).unshard is Mapping.unshard and self.tp_dim == 0
 
     def unshard_to_hf(self, shards, dims, out):
         """The real vocabulary rows of the shards, in rank order; padding rows are never copied."""

@@ -81,3 +81,27 @@ def test_tied_embeddings_load_output_copy_from_embedding_and_never_export_it(tin
 def test_value_head_maps_to_score(tiny_models):
     wmap = WeightMap(_dims(tiny_models["qwen2"]), value_head=True)
     assert wmap.lookup("output_layer.weight").hf == ("score.weight",)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_tensor_is_the_shards_in_order_only_where_the_mapping_says_so(tiny_models, arch):
+    """`hf_is_shards_in_order`: the HF tensor is the first elements of the TP shards laid end to end
+    (the sharding manager then loads the received buffer as it is); every other mapping says False."""
+    dims = _dims(tiny_models[arch])
+    padded = padded_vocab_size(dims.vocab_size, 2)
+    in_order = set()
+    for mapping in WeightMap(dims).all_mappings():
+        if mapping.tp_dim is None:
+            continue
+        vocab = isinstance(mapping, VocabMapping)
+        hf = [torch.randn(dims.vocab_size if vocab else 8 * dims.hidden_size, dims.hidden_size) for _ in mapping.hf]
+        if isinstance(mapping, QKVMapping):
+            hf = [torch.randn(n * dims.head_dim, dims.hidden_size) for n in (dims.num_heads, *[dims.num_kv_heads] * 2)]
+            hf = [t[:, 0] for t in hf] if mapping.mcore.endswith("bias") else hf
+        shards = [mapping.shard(mapping.to_mcore(hf, dims, padded), r, 2) for r in range(2)]
+        laid = torch.cat([s.reshape(-1) for s in shards])
+        exported = torch.cat([t.reshape(-1) for t in mapping.to_hf(mapping.unshard(shards), dims)])
+        assert mapping.hf_is_shards_in_order == torch.equal(laid[: exported.numel()], exported), mapping.mcore
+        if mapping.hf_is_shards_in_order:
+            in_order.add(mapping.mcore.split(".")[0])
+    assert "embedding" in in_order and in_order <= {"embedding", "output_layer"}

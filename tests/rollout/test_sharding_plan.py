@@ -89,8 +89,9 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
     """The bytes path of the plan, without process groups: pack each TP rank, stack, unpack.
 
     Every bucket arrives as one flat buffer holding its HF tensors contiguously in plan order, bit
-    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy. A
-    sharded bucket unpacked with one row read from that TP rank's parameters (`own`) is the same.
+    for bit; a replicated bucket (every bucket at TP1) is the received buffer itself, no copy, and
+    so is a sharded bucket of one vocab parameter. A sharded bucket unpacked with one row read from
+    that TP rank's parameters (`own`) is the same.
     """
     config = _CONFIGS[arch] if arch != "qwen2" else tiny_hf_config("qwen2", num_layers=4)
     dims = describe_hf_config(config)
@@ -115,9 +116,9 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
         assert [e.offset for e in flat.entries] == [
             sum(e.numel for e in flat.entries[:i]) for i in range(len(flat.entries))
         ]
-        if not bucket.sharded:
+        if bucket.arrives_flat:  # replicated, or one embedding / output layer: its shards in order
             assert flat.buffer.data_ptr() == gathered.data_ptr()  # travels as received
-        for row, (_, _, local) in enumerate(layouts if bucket.sharded else []):
+        for row, (_, _, local) in enumerate(layouts if not bucket.arrives_flat else []):
             # a rollout rank that is TP rank `row` of the stage reads its shards from its parameters
             unpacked = gathered.view(tp, -1).clone()
             unpacked[row] = float("nan")  # never packed
@@ -128,6 +129,8 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
             assert tensor.data_ptr() == flat.buffer.data_ptr() + entry.offset * tensor.element_size()  # views
             got[name] = tensor.clone()
     assert any(b.sharded for b in plan.buckets) == (tp > 1)
+    # the embedding (> 20 kB) is alone in its bucket: at TP2 it arrives flat, shards in order
+    assert any(b.sharded and b.arrives_flat for b in plan.buckets) == (tp > 1)
     assert got.keys() == hf.keys()
     for name in hf:
         assert torch.equal(got[name], hf[name]), name

@@ -214,7 +214,7 @@ class ShardingManager:
                 buffers=buffers,
             ):
                 out = None
-                if bucket.sharded:
+                if not bucket.arrives_flat:
                     out = (
                         kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device)
                         if kept is not None

@@ -18,7 +18,11 @@ parameters of one source (stage, EP rank), one dtype, and one kind:
   per shard, row-parallel on dim 1, vocab rows without the padding);
 * replicated buckets (norms, a value head, and every bucket at TP1): the stage's first TP rank
   packs the HF tensors themselves (`unshard_to_hf` of its one shard), so the received buffer *is*
-  the bucket the engine loads.
+  the bucket the engine loads;
+* a sharded bucket of one parameter whose HF tensor is its shards laid end to end (split on dim 0,
+  vocab padding last: an embedding or output layer alone in its bucket,
+  `Mapping.hf_is_shards_in_order`) needs no unpacking either: the HF tensor is the first elements
+  of the gathered buffer (`Bucket.arrives_flat`).
 
 Either way a bucket reaches the engine as one flat buffer in which every HF tensor is a contiguous
 slice, in order: `Bucket.entries` gives each one's (name, shape, offset).
@@ -123,6 +127,13 @@ class Bucket:
     def source(self) -> tuple[int, int]:
         """(pp_rank, ep_rank): the key of the TP ranks that send this bucket."""
         return self.pp_rank, self.ep_rank
+
+    @property
+    def arrives_flat(self) -> bool:
+        """True when the received (gathered) buffer starts with the flat bucket as it is: a replicated
+        bucket, or a sharded one of a single parameter whose HF tensor is its shards in order. The
+        rollout rank then copies nothing after the bytes arrive."""
+        return not self.sharded or (len(self.params) == 1 and self.params[0].mapping.hf_is_shards_in_order)
 
     @property
     def local_numel(self) -> int:

@@ -12,9 +12,11 @@ pipeline stages pack and ship their buckets concurrently while it unpacks. gloo 
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
-one output buffer; a replicated bucket's received buffer is already the flat bucket (no copy).
-A rollout rank that is itself a TP rank of the bucket's stage does not pack its own shards of a
-sharded bucket: unpacking reads them from its parameters (one copy of its share, not two).
+one output buffer; a replicated bucket's received buffer is already the flat bucket (no copy), and
+so is a sharded bucket of one embedding or output layer, whose HF tensor is its shards in order
+(`Bucket.arrives_flat`). A rollout rank that is itself a TP rank of the bucket's stage does not pack
+its own shards of a bucket that needs unpacking: unpacking reads them from its parameters (one copy
+of its share, not two).
 Buffers are reused from bucket to bucket within a sync (fresh allocations cost page faults
 comparable to the copy itself) unless the consumer keeps them (`fresh=True`: every yielded
 bucket gets its own buffer); after a sync they are freed, except on CPU, where the sharding
@@ -66,12 +68,13 @@ def unpack_bucket(
     """The flat bucket of HF tensors from the gathered buffer [rows * local_numel] (rows: TP size, or 1).
 
     Sharded buckets are written into `out` (a flat buffer of ≥ `bucket.hf_numel` elements,
-    allocated when None); a replicated bucket is the gathered buffer itself. `own` = (row,
+    allocated when None); a bucket that `arrives_flat` (replicated, or one parameter whose shards
+    in order are its HF tensor) is the start of the gathered buffer itself. `own` = (row,
     local_params): that row of a sharded bucket was never packed (a rollout rank that is itself a
     TP rank of the bucket's stage); its shards are read from the parameters themselves, which
     saves copying this rank's share twice.
     """
-    if not bucket.sharded:
+    if bucket.arrives_flat:
         return FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
     rows = gathered.view(bucket.tp_size, bucket.local_numel)
     if out is None:
@@ -100,19 +103,19 @@ def stream_buckets(
     shared: bool = False,
     kept: Optional["KeptBuffers"] = None,
     buffers: Optional["SyncBuffers"] = None,
-) -> Iterator[tuple[Bucket, torch.Tensor]]:
+) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int]]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
 
-    own row: in a sharded bucket of this rank's own stage, the row of the gathered buffer left
-    unwritten (this rank's shards, which `unpack_bucket(..., own=(row, local_params))` reads
-    from the parameters); None otherwise.
+    own row: in a bucket of this rank's own stage that needs unpacking (not `Bucket.arrives_flat`),
+    the row of the gathered buffer left unwritten (this rank's shards, which
+    `unpack_bucket(..., own=(row, local_params))` reads from the parameters); None otherwise.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
-    generator is resumed; with `fresh`, a replicated bucket's buffer (which becomes the flat
-    bucket) is never reused within this sync (with `kept`, it is that bucket's kept buffer, which
-    the next sync writes again). `shared`: yielded buffers live in shared memory (CPU). `buffers`:
+    generator is resumed; with `fresh`, the buffer of a bucket that `arrives_flat` (which becomes
+    the flat bucket) is never reused within this sync (with `kept`, it is that bucket's kept
+    buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory (CPU). `buffers`:
     the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
     """
     order = list(buckets)  # the plan's transfer order; p2p messages match by (source, tag)
@@ -134,7 +137,7 @@ def stream_buckets(
                         my_rank,
                         stage_ranks,
                         recv_slots,
-                        fresh=fresh and not nxt.sharded,
+                        fresh=fresh and nxt.arrives_flat,
                         kept=kept,
                     )
                 )
@@ -243,7 +246,7 @@ def _post_receive(
     bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers] = None
 ):
     """Take a gathered buffer [rows, local_numel]; irecv every remote row; pack our own only when the
-    bucket is replicated (its buffer is the flat bucket); a sharded one's own row stays unwritten."""
+    buffer is the flat bucket (`Bucket.arrives_flat`); otherwise our own row stays unwritten."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -259,7 +262,7 @@ def _post_receive(
     for row, src in enumerate(sources):
         if src != my_rank:
             works.append(dist.irecv(gathered[row], src=src, tag=bucket.index))
-        elif bucket.sharded:
+        elif not bucket.arrives_flat:
             own_row = row
         else:
             pack_bucket(bucket, local_params, dims, out=gathered[row])
