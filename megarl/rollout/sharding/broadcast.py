@@ -12,7 +12,9 @@ only when it differs from what the receivers hold for that position, so once per
 bucket's buffer as it is (no concatenation; copied only if the group lives on another device), then
 (`verify`, on by default) the bucket's per-tensor checksums (`protocol.checksums`).
 Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
-kept per bucket position from update to update), check its checksums and hand it to their engine's
+kept per bucket position from update to update; on CPU, for an engine that is done with a bucket
+when it asks for the next, one buffer reused by every bucket and update: fresh pages cost several
+times the bytes' copy), check its checksums and hand it to their engine's
 own sender (`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
 all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
 (a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
@@ -37,7 +39,7 @@ from megarl.rollout.sharding.protocol import (
     verify_bucket,
 )
 from megarl.rollout.sharding.senders import sender_for
-from megarl.rollout.sharding.transport import KeptBuffers
+from megarl.rollout.sharding.transport import BufferRing, KeptBuffers
 from megarl.utils.faults import hold
 
 MESSAGE_BYTES = 4096
@@ -208,6 +210,10 @@ class BroadcastReceiver:
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
         # every update (no fresh shared-memory pages to allocate and zero after the first)
         self._kept = KeptBuffers() if self.local.shares_buffers else None
+        # an engine done with each bucket when it asks for the next (in place, on CPU): one buffer for
+        # every bucket, kept from update to update (a fresh one per bucket is mostly page faults)
+        reuse = not self.local.keeps_buffers and not self._kept and group.device.type == "cpu"
+        self._ring = BufferRing(1) if reuse else None
         self._held: dict[int, torch.Tensor] = {}  # delta updates: each 16-bit bucket as last received
 
     def receive_update(self) -> Optional[int]:
@@ -251,8 +257,9 @@ class BroadcastReceiver:
         return message.tolist()
 
     def _buckets(self, verify: bool):
-        """Each broadcast bucket in a buffer of its own (the engine may keep it), checked against its
-        checksums when the sender sends them, until the sender's end mark."""
+        """Each broadcast bucket in a buffer of its own (the engine may keep it; one reused buffer when
+        its sender says it does not, `_buffer`), checked against its checksums when the sender sends
+        them, until the sender's end mark."""
         while (received := self._receive(verify)) is not None:
             bucket, expected = received
             yield bucket if expected is None else verify_bucket(bucket, expected)
@@ -284,7 +291,8 @@ class BroadcastReceiver:
 
     def _buffer(self, position: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Where a whole bucket lands: kept per position for an engine in another process, or for delta
-        updates of 16-bit buckets (the next update may change only some of its elements); else fresh."""
+        updates of 16-bit buckets (the next update may change only some of its elements); the one
+        reused buffer for an engine that does not keep buckets (CPU); else fresh."""
         if self._delta and dtype in _DELTA_DTYPES:
             held = self._held.get(position)
             if held is None or held.numel() != numel:
@@ -296,6 +304,8 @@ class BroadcastReceiver:
             return held
         if self._kept:
             return self._kept.take(position, numel, dtype, self.group.device)
+        if self._ring is not None:
+            return self._ring.take(numel, dtype, self.group.device)
         return alloc_flat(numel, dtype, self.group.device)
 
 
