@@ -115,8 +115,8 @@ def stream_buckets(
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
     generator is resumed; with `fresh`, the buffer of a bucket that `arrives_flat` (which becomes
     the flat bucket) is never reused within this sync (with `kept`, it is that bucket's kept
-    buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory (CPU). `buffers`:
-    the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
+    buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory
+    (CPU). `buffers`: the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
     """
     order = list(buckets)  # the plan's transfer order; p2p messages match by (source, tag)
     buffers = buffers or SyncBuffers(prefetch, shared=shared)
