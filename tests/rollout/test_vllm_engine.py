@@ -253,3 +253,44 @@ def test_the_cpu_engine_core_starts_by_fork_unless_opted_out_or_on_gpu(monkeypat
         method = inside().get_start_method() if inside is not original else None
     assert method == expected
     assert engine_utils.get_mp_context is original
+
+
+def test_a_forked_engine_core_does_not_see_or_destroy_the_parents_process_groups(tmp_path):
+    """vLLM's engine core ends with destroy_process_group() when torch.distributed is initialized; a child
+    forked from a trainer rank must not destroy the rank's gloo groups (their destructor joins threads that
+    exist only in the parent: it segfaulted at every forked core's exit). Forks outside the engine start
+    are left alone."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from megarl.rollout.vllm_engine import _fork_engine_core
+
+    def fork_and_check(expect_initialized: bool) -> int:
+        pid = os.fork()
+        if pid == 0:  # the child: what vLLM's core teardown does
+            seen = dist.is_initialized()
+            if seen and not expect_initialized:
+                dist.destroy_process_group()
+            os._exit(0 if seen == expect_initialized else 3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)  # stuck destroying the inherited groups (what the core did)
+        os.waitpid(pid, 0)
+        return -1
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with _fork_engine_core(on_gpu=False):
+            assert fork_and_check(expect_initialized=False) == 0
+        assert fork_and_check(expect_initialized=True) == 0
+        assert dist.is_initialized()
+        dist.all_reduce(torch.ones(1))  # the parent's group still works
+    finally:
+        dist.destroy_process_group()
