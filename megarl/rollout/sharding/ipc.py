@@ -8,7 +8,7 @@ handle on GPU (the worker opens the same memory), a shared-memory handle on CPU 
 manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus the entries (name,
 shape, offset) and (`verify`, on by default) its per-tensor checksums (`protocol.checksums`), over a
 `multiprocessing.connection` to every vLLM worker of the engine: nothing is flattened, concatenated or
-re-bucketed on the way. Each worker rebuilds the tensor, checks its checksums (so a buffer the trainer
+re-bucketed on the way, and the next bucket is gathered while the workers load this one. Each worker rebuilds the tensor, checks its checksums (so a buffer the trainer
 reused or freed too early, or a handle that maps the wrong memory, fails the update naming the tensor
 instead of loading wrong weights), streams views
 of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a layer's tensors within
@@ -134,24 +134,38 @@ def serve_buckets(
 def _feed(
     listener, conns: list, workers: int, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool
 ) -> None:
-    from torch.multiprocessing.reductions import reduce_tensor
-
     for _ in range(workers):
         conn = listener.accept()
         conns.append(conn)
         if conn.recv() != _HELLO:
             raise RuntimeError("an IPC peer that is not a megarl worker connected")
-    for bucket in buckets:
-        sums = checksums(bucket).tolist() if verify else None
-        message = (reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer), sums)
+    pending = iter(buckets)
+    message = _message(next(pending, None), verify)
+    while message is not None:
         progress.touched = True  # from here a worker may hand tensors of this bucket to the model
         for conn in conns:
             conn.send(message)
-        for conn in conns:
-            if conn.recv() != "ok":  # the worker has taken the bucket's views
-                raise RuntimeError("a vLLM worker did not acknowledge a weight bucket")
+        # The next bucket is gathered and checksummed while the workers load this one (every bucket
+        # has a buffer of its own within an update: `IpcSender.keeps_buffers`); if that fails, the
+        # workers still finish this one before they see the connection end.
+        try:
+            message = _message(next(pending, None), verify)
+        finally:
+            for conn in conns:
+                if conn.recv() != "ok":  # the worker has taken the bucket's views
+                    raise RuntimeError("a vLLM worker did not acknowledge a weight bucket")
     for conn in conns:
         conn.send(None)
+
+
+def _message(bucket: Optional[FlatBucket], verify: bool):
+    """What travels for one bucket: its buffer's handle, entries, device and (`verify`) checksums."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if bucket is None:
+        return None
+    sums = checksums(bucket).tolist() if verify else None
+    return reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer), sums
 
 
 def _wake_listener(address: str) -> None:
