@@ -73,14 +73,21 @@ def tool_success(rows: list[dict]) -> tuple[float, float]:
     return (values[0], values[-1]) if values else (float("nan"), float("nan"))
 
 
-def run_seed(seed: int, run_dir: str, algo: str, overrides: list[str]) -> dict:
-    """One whole quickstart; its validation before/after, training seconds and phase shares."""
-    command = ["bash", *SCRIPTS[algo], "--seed", str(seed), run_dir, *overrides]
+def run_timed(command: list[str], what: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`command` run in the repository, output captured: (the finished process, its wall seconds); exits
+    naming `what` with the output's tail when it fails."""
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True)
     wall = time.perf_counter() - start
     if proc.returncode:
-        sys.exit(f"quickstart (seed {seed}) failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc, wall
+
+
+def run_seed(seed: int, run_dir: str, algo: str, overrides: list[str]) -> dict:
+    """One whole quickstart; its validation before/after, training seconds and phase shares."""
+    command = ["bash", *SCRIPTS[algo], "--seed", str(seed), run_dir, *overrides]
+    proc, wall = run_timed(command, f"quickstart (seed {seed})")
     rows = read_metrics(REPO / run_dir / "metrics.jsonl")
     summary = validation_summary(rows)
     if summary is None:

@@ -195,6 +195,8 @@ def run_reference(steps: int, seed: int, threads: int) -> dict:
 # -- megarl ------------------------------------------------------------------------------------------
 def run_megarl(steps: int, seed: int, run_dir: str) -> dict:
     """`megarl train` on the quickstart config; wall time, step loop and the parts it prints."""
+    from quickstart import run_timed
+
     from megarl.trainer.metrics import read_metrics, validation_summary
 
     command = [
@@ -202,11 +204,7 @@ def run_megarl(steps: int, seed: int, run_dir: str) -> dict:
         f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"data.seed={seed}",
     ]  # fmt: skip
     subprocess.run(["rm", "-rf", run_dir], cwd=REPO, check=True)
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        sys.exit(f"megarl train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc, wall = run_timed(command, "megarl train")
     rows = read_metrics(REPO / run_dir / "metrics.jsonl")
     steps_rows = [r for r in rows if "time/step" in r]
     ready = re.search(r"workers ready in ([\d.]+) s", proc.stdout)
