@@ -396,13 +396,14 @@ def _fork_engine_core(on_gpu: bool):
 _FORKING_CORE = False
 """True while `_fork_engine_core` is active: a child forked meanwhile is an engine core."""
 _INHERITED: list = []
-_HOOKED: list = []
+_HOOKED = False
 
 
 def _register_fork_hook() -> None:
+    global _HOOKED
     if not _HOOKED:
         os.register_at_fork(after_in_child=_set_inherited_groups_aside)
-        _HOOKED.append(True)
+        _HOOKED = True
 
 
 def _set_inherited_groups_aside() -> None:
@@ -411,7 +412,7 @@ def _set_inherited_groups_aside() -> None:
     vLLM's engine core ends with `destroy_process_group()` whenever `torch.distributed.is_initialized()`
     (`cleanup_dist_env_and_memory`); in a forked child that is the parent's default group (a trainer
     rank's gloo groups), whose destructor joins gloo threads that exist only in the parent: a segfault
-    at every forked core's exit. The child never uses those groups; they are kept referenced (never
+    or a hang at every forked core's exit. The child never uses those groups; they are kept referenced (never
     destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is its
     documented extension point).
     """

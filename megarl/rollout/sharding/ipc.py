@@ -8,13 +8,13 @@ handle on GPU (the worker opens the same memory), a shared-memory handle on CPU 
 manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus the entries (name,
 shape, offset) and (`verify`, on by default) its per-tensor checksums (`protocol.checksums`), over a
 `multiprocessing.connection` to every vLLM worker of the engine: nothing is flattened, concatenated or
-re-bucketed on the way, and the next bucket is gathered while the workers load this one. Each worker rebuilds the tensor, checks its checksums (so a buffer the trainer
-reused or freed too early, or a handle that maps the wrong memory, fails the update naming the tensor
-instead of loading wrong weights), streams views
-of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a layer's tensors within
-one call; its weight loaders take the worker's TP slice) and acknowledges; vLLM may keep a layer's
-views until the layer is complete, so every bucket has a buffer of its own within an update
-(`Sender.keeps_buffers`). After the reload the worker applies the vLLM re-pack fixes
+re-bucketed on the way, and the next bucket is gathered while the workers load this one. Each worker
+rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
+handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
+weights), streams views of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a
+layer's tensors within one call; its weight loaders take the worker's TP slice) and acknowledges;
+vLLM may keep a layer's views until the layer is complete, so every bucket has a buffer of its own
+within an update (`Sender.keeps_buffers`). After the reload the worker applies the vLLM re-pack fixes
 (`megarl.rollout.vllm_patches`).
 
 With rollout TP > 1 all `engine.ipc_workers` workers connect to the one listener of the engine's
