@@ -105,6 +105,7 @@ def reference_step(model, optimizer, scheduler, tok, batch, rows, s: dict) -> di
     from megarl.algorithms.advantages import AdvantageConfig, AdvantageInputs, grpo
     from megarl.algorithms.aggregation import LossAggregation
     from megarl.algorithms.policy_loss import PolicyLossConfig, PolicyLossInputs, ppo_clip
+    from megarl.trainer.batching import outcome_rewards
 
     times, t0 = {}, time.perf_counter()
     ids = batch["input_ids"].repeat_interleave(s["samples"], 0)
@@ -122,8 +123,7 @@ def reference_step(model, optimizer, scheduler, tok, batch, rows, s: dict) -> di
     times["generate"], t0 = time.perf_counter() - t0, time.perf_counter()
 
     scores = torch.tensor(rewards_of(tok, responses, mask, rows))
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
-    token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], scores[:, None])
+    token_rewards = outcome_rewards(scores, mask)
     groups = torch.arange(len(batch["input_ids"])).repeat_interleave(s["samples"])
     advantages, _ = grpo(AdvantageInputs(token_rewards, mask, group_ids=groups), AdvantageConfig())
     times["reward"], t0 = time.perf_counter() - t0, time.perf_counter()
