@@ -382,7 +382,6 @@ def _fork_engine_core(on_gpu: bool):
 
     import vllm.v1.engine.utils as engine_utils
 
-    _register_fork_hook()
     original = engine_utils.get_mp_context
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
     _FORKING_CORE = True
@@ -396,14 +395,6 @@ def _fork_engine_core(on_gpu: bool):
 _FORKING_CORE = False
 """True while `_fork_engine_core` is active: a child forked meanwhile is an engine core."""
 _INHERITED: list = []
-_HOOKED = False
-
-
-def _register_fork_hook() -> None:
-    global _HOOKED
-    if not _HOOKED:
-        os.register_at_fork(after_in_child=_set_inherited_groups_aside)
-        _HOOKED = True
 
 
 def _set_inherited_groups_aside() -> None:
@@ -412,9 +403,9 @@ def _set_inherited_groups_aside() -> None:
     vLLM's engine core ends with `destroy_process_group()` whenever `torch.distributed.is_initialized()`
     (`cleanup_dist_env_and_memory`); in a forked child that is the parent's default group (a trainer
     rank's gloo groups), whose destructor joins gloo threads that exist only in the parent: a segfault
-    or a hang at every forked core's exit. The child never uses those groups; they are kept referenced (never
-    destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is its
-    documented extension point).
+    or a hang at every forked core's exit. The child never uses those groups; they are kept referenced
+    (never destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is
+    its documented extension point).
     """
     if not _FORKING_CORE:
         return
@@ -423,6 +414,9 @@ def _set_inherited_groups_aside() -> None:
     if c10d.is_initialized():
         _INHERITED.append(c10d._world)
         c10d._world = c10d._World()
+
+
+os.register_at_fork(after_in_child=_set_inherited_groups_aside)  # a no-op outside `_fork_engine_core`
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
