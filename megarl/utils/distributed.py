@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -47,11 +48,40 @@ class RankError(RuntimeError):
         self.remote_traceback = tb
 
 
+# Ports `free_port` draws from when the OS's ephemeral range is known: below that range.
+_LOW_PORT = 10000
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, drawn below the OS's ephemeral port range.
+
+    The caller binds it later (a rank's store, often seconds later). A port from the ephemeral range
+    (what binding port 0 returns) can be taken in between by any socket the OS numbers itself: gloo's
+    pair connections, every outgoing connection. Below the range only another explicit bind can take it.
+    Falls back to an ephemeral port where the range cannot be read (not Linux).
+    """
+    low, _ = _ephemeral_range()
+    candidates = random.SystemRandom().sample(range(_LOW_PORT, low), min(64, max(low - _LOW_PORT, 0)))
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """(first, last) port the OS numbers outgoing and port-0 sockets from; (_LOW_PORT, 65535) if unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return _LOW_PORT, 65535
 
 
 def in_launched_world() -> bool:
