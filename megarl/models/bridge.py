@@ -94,15 +94,8 @@ class ModelBridge:
         reader.check_has(name for _, m in plan for name in m.hf)
         padded = _padded_vocab(chunks)
         for param, mapping in plan:
-            full = mapping.to_mcore([reader.get(n) for n in mapping.hf], self.dims, padded)
-            local = mapping.shard(full, tp_rank, self.layout.tp)
-            if local.shape != param.shape:
-                raise ValueError(
-                    f"{mapping.hf} → {mapping.mcore}: shape {tuple(local.shape)} does not fit the"
-                    f" model's {tuple(param.shape)}; does config.json match the weights?"
-                )
-            with torch.no_grad():
-                param.copy_(local)
+            with torch.no_grad():  # only this rank's rows are read, straight into the parameter
+                mapping.load_shard(reader, self.dims, padded, tp_rank, self.layout.tp, param)
             if progress:
                 progress(mapping.mcore)
 

@@ -90,6 +90,28 @@ class HFCheckpointReader:
         except Exception as err:
             raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor `name` (from the file's header; nothing is read)."""
+        return tuple(self._slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
+        """Elements [start, stop) of tensor `name` along `dim` (0 or 1), reading only those bytes."""
+        piece = self._slice(name)
+        try:
+            return piece[start:stop] if dim == 0 else piece[:, start:stop]
+        except Exception as err:
+            raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
+        try:
+            return self._file(self._where[name]).get_slice(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
+
     def check_has(self, names: Iterable[str]) -> None:
         """Raise one error listing every expected tensor that is absent (before any is read)."""
         missing = [n for n in names if n not in self._where]

@@ -78,6 +78,31 @@ class Mapping:
             return shards[0]
         return torch.cat(list(shards), dim=self.tp_dim)
 
+    def load_shard(self, reader, dims: ModelDims, padded_vocab: int, rank: int, size: int, out: torch.Tensor) -> None:
+        """`out.copy_(shard(to_mcore(HF tensors), rank, size))`, reading only the rows of the HF tensors that
+        TP rank `rank` holds (`reader.rows`; `out` is the rank's parameter) and no full tensor in between.
+
+        A subclass that changes `to_mcore` or `shard` gets that generic rule (full tensors read) unless
+        it overrides this method too. Raises ValueError when an HF tensor does not fit `out`.
+        """
+        plain = type(self).to_mcore is Mapping.to_mcore and type(self).shard is Mapping.shard
+        if not plain:
+            local = self.shard(self.to_mcore([reader.get(n) for n in self.hf], dims, padded_vocab), rank, size)
+            _check_fits(self, local.shape, out.shape)
+            out.copy_(local)
+            return
+        name, dim = self.hf[0], self.tp_dim if size > 1 else None
+        shape = reader.shape(name)
+        expected = list(out.shape)
+        if dim is not None:
+            expected[dim] *= size
+        _check_fits(self, shape, expected)
+        if dim is None:
+            out.copy_(reader.get(name))
+        else:
+            step = out.shape[dim]
+            out.copy_(reader.rows(name, rank * step, (rank + 1) * step, dim))
+
     def unshard_to_hf(self, shards: Sequence[torch.Tensor], dims: ModelDims, out: torch.Tensor) -> list[torch.Tensor]:
         """`to_hf(unshard(shards))` written once into the flat buffer `out`; returns the HF tensors as views.
 
@@ -121,18 +146,32 @@ class VocabMapping(Mapping):
 
     tp_dim: int | None = 0
 
-    def to_mcore(self, hf_tensors, dims, padded_vocab):
-        weight = hf_tensors[0]
-        if weight.shape[0] != dims.vocab_size:
+    def _check_rows(self, rows: int, dims: ModelDims) -> None:
+        if rows != dims.vocab_size:
             raise ValueError(
-                f"{self.hf[0]} has {weight.shape[0]} rows but vocab_size={dims.vocab_size}: the weights"
+                f"{self.hf[0]} has {rows} rows but vocab_size={dims.vocab_size}: the weights"
                 " do not fit the model; does config.json match the weights?"
             )
+
+    def to_mcore(self, hf_tensors, dims, padded_vocab):
+        weight = hf_tensors[0]
+        self._check_rows(weight.shape[0], dims)
         padding = weight.new_zeros(padded_vocab - weight.shape[0], *weight.shape[1:])
         return torch.cat([weight, padding], dim=0)
 
     def to_hf(self, full, dims):
         return [full[: dims.vocab_size]]
+
+    def load_shard(self, reader, dims, padded_vocab, rank, size, out):
+        """The rank's rows of the padded vocabulary: the real rows it holds are read, the padding zeroed."""
+        rows = reader.shape(self.hf[0])
+        self._check_rows(rows[0], dims)
+        _check_fits(self, (padded_vocab, *rows[1:]), (out.shape[0] * size, *out.shape[1:]))
+        start = rank * out.shape[0]
+        take = max(0, min(out.shape[0], dims.vocab_size - start))
+        if take:
+            out[:take].copy_(reader.rows(self.hf[0], start, start + take))
+        out[take:].zero_()
 
     @property
     def hf_is_shards_in_order(self) -> bool:
@@ -172,6 +211,22 @@ class QKVMapping(Mapping):
             dim=1,
         )
         return fused.reshape(-1, *rest)
+
+    def load_shard(self, reader, dims, padded_vocab, rank, size, out):
+        """The rank's whole query groups: its rows of q, k and v, each written into its place in `out`."""
+        groups, head_dim = dims.num_kv_heads, dims.head_dim
+        q_rows = dims.num_heads // groups * head_dim
+        rest = tuple(out.shape[1:])
+        local = groups // size
+        for name, rows in zip(self.hf, (q_rows, head_dim, head_dim)):
+            _check_fits(self, reader.shape(name), (groups * rows, *rest))
+        _check_fits(self, out.shape, (local * (q_rows + 2 * head_dim), *rest))
+        grouped = out.view(local, q_rows + 2 * head_dim, *rest)
+        first = rank * local
+        for name, rows, part in zip(
+            self.hf, (q_rows, head_dim, head_dim), grouped.split([q_rows, head_dim, head_dim], 1)
+        ):
+            part.copy_(reader.rows(name, first * rows, (first + local) * rows).view(local, rows, *rest))
 
     def to_hf(self, full, dims):
         groups, head_dim = dims.num_kv_heads, dims.head_dim
@@ -213,6 +268,13 @@ class GateUpMapping(Mapping):
     def to_hf(self, full, dims):
         return list(full.chunk(2, dim=0))
 
+    def load_shard(self, reader, dims, padded_vocab, rank, size, out):
+        """[gate_r; up_r]: the rank's rows of gate_proj, then of up_proj."""
+        half = out.shape[0] // 2
+        for name, part in zip(self.hf, out.chunk(2, dim=0)):
+            _check_fits(self, reader.shape(name), (half * size, *out.shape[1:]))
+            part.copy_(reader.rows(name, rank * half, (rank + 1) * half))
+
     def shard(self, full, rank, size):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
@@ -227,6 +289,14 @@ class GateUpMapping(Mapping):
         full = _flat_view(out, 0, (sum(s.shape[0] for s in shards), *shards[0].shape[1:]))
         torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=full)
         return list(full.chunk(2, dim=0))
+
+
+def _check_fits(mapping: Mapping, shape, expected) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(
+            f"{mapping.hf} → {mapping.mcore}: shape {tuple(shape)} does not fit the model's {tuple(expected)};"
+            " does config.json match the weights?"
+        )
 
 
 def _flat_view(out: torch.Tensor, offset: int, shape) -> torch.Tensor:

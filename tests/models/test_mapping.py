@@ -105,3 +105,52 @@ def test_hf_tensor_is_the_shards_in_order_only_where_the_mapping_says_so(tiny_mo
         if mapping.hf_is_shards_in_order:
             in_order.add(mapping.mcore.split(".")[0])
     assert "embedding" in in_order and in_order <= {"embedding", "output_layer"}
+
+
+class _CountingReader:
+    """An HFCheckpointReader that counts the elements it hands out."""
+
+    def __init__(self, path):
+        from megarl.models.hf_io import HFCheckpointReader
+
+        self.reader, self.elements = HFCheckpointReader(path), 0
+
+    def shape(self, name):
+        return self.reader.shape(name)
+
+    def get(self, name):
+        return self._count(self.reader.get(name))
+
+    def rows(self, name, start, stop, dim=0):
+        return self._count(self.reader.rows(name, start, stop, dim))
+
+    def _count(self, tensor):
+        self.elements += tensor.numel()
+        return tensor
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_load_shard_reads_only_the_ranks_rows_and_equals_shard_of_the_full_tensor(tiny_models, arch, tp):
+    dims = _dims(tiny_models[arch])
+    padded = padded_vocab_size(dims.vocab_size, tp)
+    full_reader = _CountingReader(tiny_models[arch])
+    for mapping in WeightMap(dims).all_mappings():
+        full = mapping.to_mcore([full_reader.get(n) for n in mapping.hf], dims, padded)
+        for rank in range(tp):
+            expected = mapping.shard(full, rank, tp)
+            out = torch.full_like(expected, float("nan"))  # an element left unwritten stays NaN
+            reader = _CountingReader(tiny_models[arch])
+            mapping.load_shard(reader, dims, padded, rank, tp, out)
+            assert torch.equal(out, expected), (mapping.mcore, rank)
+            real_rows = isinstance(mapping, VocabMapping)  # padding rows are zeroed, not read
+            assert reader.elements <= out.numel() if real_rows else reader.elements == out.numel(), mapping.mcore
+
+
+def test_load_shard_names_the_tensor_that_does_not_fit(tiny_models):
+    dims = _dims(tiny_models["llama"])
+    mapping = next(m for m in WeightMap(dims).all_mappings() if isinstance(m, GateUpMapping))
+    reader = _CountingReader(tiny_models["llama"])
+    out = torch.empty(2 * (dims.ffn_hidden_size + 8), dims.hidden_size)  # a config with a larger intermediate_size
+    with pytest.raises(ValueError, match=r"gate_proj.*does not fit the model's.*does config.json match the weights"):
+        mapping.load_shard(reader, dims, 0, 0, 1, out)
