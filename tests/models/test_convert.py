@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from megarl.models.convert import MARKER, hf_to_mcore, mcore_to_hf, plan_hf_to_mcore, read_metadata
 from megarl.models.hf_config import UnsupportedModelError
-from megarl.models.hf_io import CheckpointError
+from megarl.models.hf_io import CheckpointError, HFCheckpointReader
 from megarl.models.layout import LayoutError, ParallelLayout
 from megarl.utils.atomic import TargetExistsError, atomic_directory
 from megarl.utils.distributed import free_port
@@ -188,3 +188,39 @@ def test_a_synchronous_save_starts_no_results_manager_process():
 
     save_strategy()
     assert isinstance(filesystem_async.get_write_results_queue(), queue.Queue)
+
+
+class _CountingReader(HFCheckpointReader):
+    """The HF reader of a conversion rank, counting the elements it hands out."""
+
+    elements = 0
+
+    def get(self, name):
+        return self._count(super().get(name))
+
+    def rows(self, name, start, stop, dim=0):
+        return self._count(super().rows(name, start, stop, dim))
+
+    def _count(self, tensor):
+        self.elements += tensor.numel()
+        return tensor
+
+
+def _load_counting(path: str, tp: int):
+    from megarl.models.convert import ConversionPlan, _build
+
+    bridge, chunks, tp_rank, pp_rank = _build(ConversionPlan(path, "", ParallelLayout(tp=tp), "float32", False), path)
+    reader = _CountingReader(path)
+    bridge.load_hf_weights(chunks, reader, tp_rank=tp_rank, pp_rank=pp_rank)
+    return reader.elements, sum(p.numel() for c in chunks for p in c.parameters())
+
+
+def test_each_rank_reads_only_its_own_shard_of_the_checkpoint(tiny_models):
+    """Streaming: a TP2 rank reads no full sharded tensor, at most its own parameters' elements."""
+    from megarl.utils.distributed import run_distributed
+
+    checkpoint = sum(t.numel() for t in _tensors(tiny_models["qwen3"]).values())
+    ((whole, _),) = run_distributed(_load_counting, 1, str(tiny_models["qwen3"]), 1)
+    assert whole == checkpoint  # TP1: every element once
+    for read, own in run_distributed(_load_counting, 2, str(tiny_models["qwen3"]), 2):
+        assert read <= own < 0.6 * checkpoint  # norms are replicated; everything else is halved
