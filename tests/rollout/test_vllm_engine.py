@@ -296,3 +296,43 @@ def test_a_forked_engine_core_does_not_see_or_destroy_the_parents_process_groups
         dist.all_reduce(torch.ones(1))  # the parent's group still works
     finally:
         dist.destroy_process_group()
+
+
+def _forked_child_compiles() -> bool:
+    """Fork; in the child call a `torch.compile`d function; True when dynamo traced it there."""
+    import os
+
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(1)
+        return gm.forward
+
+    @torch.compile(backend=backend)
+    def count_greater(x, values):
+        return (x >= values).sum(-1)
+
+    pid = os.fork()
+    if pid == 0:
+        count_greater(torch.randn(3, 5), torch.zeros(3, 1))
+        os._exit(1 if traced else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 1
+
+
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_a_cpu_engine_core_runs_vllms_compiled_helpers_eagerly(monkeypatch, opt_out):
+    """vLLM compiles helpers such as the sampled token's rank with inductor at first use (1.4-2.3 s of
+    C++ codegen per CPU engine); the engine's core runs them eagerly, the engine's own process is unchanged."""
+    import os
+
+    from megarl.rollout.vllm_engine import _eager_on_cpu, _fork_engine_core
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    if opt_out:
+        monkeypatch.setenv("MEGARL_VLLM_CPU_COMPILE", "1")
+    with _fork_engine_core(on_gpu=False), _eager_on_cpu(on_gpu=False):
+        assert os.environ.get("TORCHDYNAMO_DISABLE") == (None if opt_out else "1")  # a spawned core reads it
+        assert _forked_child_compiles() == opt_out
+    assert "TORCHDYNAMO_DISABLE" not in os.environ and not torch._dynamo.config.disable
+    assert _forked_child_compiles()  # forks outside the engine start are left alone
