@@ -49,8 +49,11 @@ def init_ray(cfg, **overrides) -> None:
 
     if ray.is_initialized():
         return
+    from megarl.utils.interrupts import reclaim_signals
+
     common = {"include_dashboard": False, "log_to_driver": True, **overrides}
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **common)
     else:
         ray.init(**local_ray_resources(cfg), **common)
+    reclaim_signals()  # Ray's own SIGTERM handler would exit at once (134), without the graceful stop

@@ -10,7 +10,8 @@ do nothing), and handles SIGINT and SIGTERM alike:
 
 `SigintRearmed` is the plain version for commands without a graceful path (Python's default
 handler: KeyboardInterrupt). Both restore the previous handlers on exit (callers in-process, e.g.
-tests, keep theirs). Imports only the standard library.
+tests, keep theirs); `reclaim_signals` puts them back after a library (Ray) replaced them. Imports
+only the standard library.
 """
 
 from __future__ import annotations
@@ -50,10 +51,29 @@ class _Handlers:
         if threading.current_thread() is threading.main_thread():
             for signum, handler in self.handlers.items():
                 self._previous[signum] = signal.signal(signum, handler)
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+_ACTIVE: list[_Handlers] = []
+"""The handler sets installed now, innermost last."""
+
+
+def reclaim_signals() -> None:
+    """Install the innermost active handlers again, after a library replaced them (main thread only).
+
+    `ray.init` in the main thread sets its own SIGTERM handler (`sys.exit`, and Ray's C++ failure
+    handler then aborts: a SIGTERM'd `megarl train` died with exit 134, without the graceful stop
+    or the rerun message). Call this after such an init; a no-op without an active `_Handlers`.
+    """
+    if _ACTIVE and threading.current_thread() is threading.main_thread():
+        for signum, handler in _ACTIVE[-1].handlers.items():
             signal.signal(signum, handler)
 
 

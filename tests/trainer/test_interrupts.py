@@ -1,4 +1,4 @@
-"""The signal side of stopping a command (megarl.utils.interrupts), in a plain Python child (no Ray):
+"""The signal side of stopping a command (megarl.utils.interrupts), in a plain Python child (Ray only where named):
 SIGINT works even when inherited ignored, the first SIGINT/SIGTERM runs the graceful path, a second
 one (or an overrunning graceful stop) exits at once with 128 + the signal."""
 
@@ -17,6 +17,10 @@ CHILD = textwrap.dedent("""
     from megarl.utils.interrupts import GracefulStop, exit_code
     with GracefulStop(grace_s=float(sys.argv[1])):
         try:
+            if sys.argv[3] == "ray":  # what `megarl train` does before its steps
+                from megarl.config import load_config
+                from megarl.controller import init_ray
+                init_ray(load_config("configs/grpo_quickstart.yaml"), log_to_driver=False)
             print("ready", flush=True)
             time.sleep(60)
             sys.exit(0)
@@ -28,13 +32,13 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _start(grace_s: float, cleanup_s: float, ignore_sigint: bool):
+def _start(grace_s: float, cleanup_s: float, ignore_sigint: bool, ray: bool = False):
     def preexec():  # what `cmd &` in a non-interactive shell does to the child
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(grace_s), str(cleanup_s)],
+        [sys.executable, "-c", CHILD, str(grace_s), str(cleanup_s), "ray" if ray else "plain"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -42,7 +46,10 @@ def _start(grace_s: float, cleanup_s: float, ignore_sigint: bool):
         preexec_fn=preexec,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
-    assert proc.stdout.readline().strip() == "ready"
+    lines = []
+    while (line := proc.stdout.readline()) and line.strip() != "ready":  # Ray logs its start first
+        lines.append(line)
+    assert line.strip() == "ready", "".join(lines)
     return proc
 
 
@@ -56,6 +63,16 @@ def test_first_signal_runs_the_graceful_stop_and_exits_128_plus_signal(signum, i
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signum, out
+    assert "graceful Interrupted" in out and "graceful done" in out, out
+
+
+def test_sigterm_after_ray_init_still_runs_the_graceful_stop():
+    """ray.init sets its own SIGTERM handler (exit at once; its C++ failure handler then aborted a
+    SIGTERM'd `megarl train` with 134): init_ray puts the command's handlers back."""
+    proc = _start(grace_s=30, cleanup_s=0.2, ignore_sigint=False, ray=True)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
     assert "graceful Interrupted" in out and "graceful done" in out, out
 
 
