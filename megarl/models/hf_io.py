@@ -7,6 +7,7 @@ Must not import megatron, vLLM or Ray.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -81,32 +82,27 @@ class HFCheckpointReader:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
-        try:
-            return self._file(self._where[name]).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
+        with self._reading(name) as file:
+            return file.get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of tensor `name` (from the file's header; nothing is read)."""
-        return tuple(self._slice(name).get_shape())
+        with self._reading(name) as file:
+            return tuple(file.get_slice(name).get_shape())
 
     def rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
         """Elements [start, stop) of tensor `name` along `dim` (0 or 1), reading only those bytes."""
-        piece = self._slice(name)
-        try:
+        with self._reading(name) as file:
+            piece = file.get_slice(name)
             return piece[start:stop] if dim == 0 else piece[:, start:stop]
-        except Exception as err:
-            raise CheckpointError(f"cannot read {name!r} from {self.path / self._where[name]}: {err}") from err
 
-    def _slice(self, name: str):
+    @contextlib.contextmanager
+    def _reading(self, name: str):
+        """The open file holding tensor `name`; a missing tensor or a failed read is a CheckpointError naming it."""
         if name not in self._where:
             raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
         try:
-            return self._file(self._where[name]).get_slice(name)
+            yield self._file(self._where[name])
         except CheckpointError:
             raise
         except Exception as err:
