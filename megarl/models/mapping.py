@@ -220,7 +220,7 @@ class QKVMapping(Mapping):
         local = groups // size
         for name, rows in zip(self.hf, (q_rows, head_dim, head_dim)):
             _check_fits(self, reader.shape(name), (groups * rows, *rest))
-        _check_fits(self, out.shape, (local * (q_rows + 2 * head_dim), *rest))
+        _check_fits(self, (local * (q_rows + 2 * head_dim), *rest), out.shape)
         grouped = out.view(local, q_rows + 2 * head_dim, *rest)
         first = rank * local
         for name, rows, part in zip(
