@@ -1,0 +1,64 @@
+"""init_ray on a local machine: no idle Python workers started for nothing (each imports Ray; on 2 cores
+they competed with the start-up that needs the CPU). Each case starts its own Ray in a child process."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = textwrap.dedent("""
+    import os, time, psutil, ray
+    from megarl.config import load_config
+    from megarl.controller import init_ray
+
+    init_ray(load_config("configs/grpo_quickstart.yaml"), log_to_driver=False)
+
+    class Host:  # like megarl's worker hosts: an actor with its own runtime_env
+        def pid(self):
+            return os.getpid()
+
+    host = ray.remote(num_cpus=0)(Host).options(runtime_env={"env_vars": {"MEGARL_PROBE": "1"}}).remote()
+    busy = {ray.get(host.pid.remote())}
+    raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
+    seen, deadline = set(), time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        for p in raylet.children(recursive=True):
+            try:
+                if "default_worker.py" in " ".join(p.cmdline()) or p.cmdline()[:1] == ["ray::IDLE"]:
+                    seen.add(p.pid)
+            except psutil.Error:
+                pass
+        time.sleep(0.1)
+    print("idle workers", len(seen - busy), flush=True)
+    ray.shutdown()
+""")
+
+
+def _idle_workers(**env) -> int:
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_prestart_worker_first_driver"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        cwd=REPO,
+        env={**environ, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("idle workers")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    return int(lines[-1].split()[-1])
+
+
+def test_a_local_ray_starts_no_idle_workers_megarls_actors_could_not_use():
+    assert _idle_workers() == 0
+
+
+def test_the_users_own_ray_setting_wins():
+    """RAY_prestart_worker_first_driver set by the user is kept (and shows the check above can see them)."""
+    assert _idle_workers(RAY_prestart_worker_first_driver="1") > 0
