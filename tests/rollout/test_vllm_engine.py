@@ -369,3 +369,24 @@ def test_a_forked_core_never_collects_the_objects_it_inherited():
         assert gc.get_freeze_count() == before  # the parent collects its own objects as before
     assert frozen_in_core >= before + tracked // 2  # everything tracked at the fork (minus what the fork freed)
     assert _forked_child_freeze_count() == before  # forks outside the engine start are left alone
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed-opt-out"])
+def test_a_cpu_engine_loads_updates_into_plain_weights_in_place(monkeypatch, rollout_models, packed):
+    """CPU linears keep their own weights (torch's linear), so an update is copied into them instead of
+    going through vLLM's layer-wise reload and repacking (MEGARL_VLLM_CPU_PACKED=1: vLLM's packed
+    kernels and the reload path). Either way the engine then answers as transformers does on the weights."""
+    from rollout_api_checks import checkpoint
+    from rollout_sync_checks import hf_greedy
+
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    if packed:
+        monkeypatch.setenv("MEGARL_VLLM_CPU_PACKED", "1")
+    engine = VLLMEngine(rollout_models["qwen2_other"])
+    try:
+        assert engine.run_sync(engine.llm.collective_rpc("megarl_loads_in_place")) == [not packed]
+        engine.update_weights(checkpoint(rollout_models["qwen2"]))
+        assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
+    finally:
+        engine.shutdown()

@@ -11,11 +11,13 @@ shape, offset) and (`verify`, on by default) its per-tensor checksums (`protocol
 re-bucketed on the way, and the next bucket is gathered while the workers load this one. Each worker
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
-weights), streams views of it into ONE `reload_weights` call (vLLM's layer-wise reload must see a
-layer's tensors within one call; its weight loaders take the worker's TP slice) and acknowledges;
-vLLM may keep a layer's views until the layer is complete, so every bucket has a buffer of its own
-within an update (`Sender.keeps_buffers`). After the reload the worker applies the vLLM re-pack fixes
-(`megarl.rollout.vllm_patches`).
+weights) and loads views of it. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
+the model's weight loaders copy the views into its parameters (each takes the worker's TP slice).
+Otherwise (GPU, packed CPU kernels, MoE experts) the views stream into ONE `reload_weights` call
+(vLLM's layer-wise reload must see a layer's tensors within one call), after which the worker applies
+the vLLM re-pack fixes. vLLM's reload may keep a layer's views until the layer is complete, and the
+sender gathers the next bucket while the workers load this one, so every bucket has a buffer of its
+own within an update (`Sender.keeps_buffers`).
 
 With rollout TP > 1 all `engine.ipc_workers` workers connect to the one listener of the engine's
 host rank and each takes every bucket (a worker on another GPU opens the CUDA handle on the
@@ -50,6 +52,7 @@ from megarl.rollout.sharding.protocol import (
     checksums,
     verify_bucket,
 )
+from megarl.rollout.vllm_patches import apply_in_vllm_process
 
 _HELLO = "megarl-worker"
 
@@ -223,11 +226,18 @@ def _on_visible_device(rebuild, args: tuple, device_uuid: str) -> tuple:
 class MegarlWorkerExtension:
     """Methods mixed into vLLM's worker class (`worker_extension_cls`), called with `collective_rpc`."""
 
+    def megarl_loads_in_place(self) -> bool:
+        """Whether an update is copied straight into this worker's parameters (`vllm_patches.loads_in_place`)."""
+        from megarl.rollout.vllm_patches import loads_in_place
+
+        return loads_in_place(self.get_model())
+
     def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
         """Receive buckets from the trainer until it sends None; load them in one reload (this worker's slice)."""
-        from megarl.rollout.vllm_patches import repack_after_reload
+        from megarl.rollout.vllm_patches import loads_in_place, repack_after_reload
 
         names: list[str] = []
+        in_place = loads_in_place(self.get_model())
         with connect_worker(address, authkey) as conn:
 
             def stream():
@@ -236,6 +246,18 @@ class MegarlWorkerExtension:
                         names.append(name)
                         yield name, tensor
 
-            self.reload_weights(weights_iterator=stream())
-        repack_after_reload(self, names)
+            if in_place:  # plain CPU weights (`plain_cpu_linear_weights`): the model's loaders copy into them
+                from vllm.config import set_current_vllm_config
+
+                with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                    self.get_model().load_weights(stream())
+            else:
+                self.reload_weights(weights_iterator=stream())
+        if not in_place:
+            repack_after_reload(self, names)
         return len(names)
+
+
+# vLLM imports this module in each of its workers (the worker extension) before it loads the model: a
+# worker of a CPU engine started by megarl keeps plain linear weights (vllm_patches, fix 3)
+apply_in_vllm_process()
