@@ -246,11 +246,11 @@ def test_the_cpu_engine_core_starts_by_fork_unless_opted_out_or_on_gpu(monkeypat
     starts, only on CPU, and MEGARL_VLLM_CORE_START=spawn keeps vLLM's spawn."""
     import vllm.v1.engine.utils as engine_utils
 
-    from megarl.rollout.vllm_engine import _fork_engine_core
+    from megarl.rollout.vllm_start import fork_engine_core
 
     monkeypatch.setenv("MEGARL_VLLM_CORE_START", start)
     original = engine_utils.get_mp_context
-    with _fork_engine_core(on_gpu):
+    with fork_engine_core(on_gpu):
         inside = engine_utils.get_mp_context
         method = inside().get_start_method() if inside is not original else None
     assert method == expected
@@ -268,7 +268,7 @@ def test_a_forked_engine_core_does_not_see_or_destroy_the_parents_process_groups
 
     import torch.distributed as dist
 
-    from megarl.rollout.vllm_engine import _fork_engine_core
+    from megarl.rollout.vllm_start import fork_engine_core
 
     def fork_and_check(expect_initialized: bool) -> int:
         pid = os.fork()
@@ -289,7 +289,7 @@ def test_a_forked_engine_core_does_not_see_or_destroy_the_parents_process_groups
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        with _fork_engine_core(on_gpu=False):
+        with fork_engine_core(on_gpu=False):
             assert fork_and_check(expect_initialized=False) == 0
         assert fork_and_check(expect_initialized=True) == 0
         assert dist.is_initialized()
@@ -326,12 +326,12 @@ def test_a_cpu_engine_core_runs_vllms_compiled_helpers_eagerly(monkeypatch, opt_
     C++ codegen per CPU engine); the engine's core runs them eagerly, the engine's own process is unchanged."""
     import os
 
-    from megarl.rollout.vllm_engine import _eager_on_cpu, _fork_engine_core
+    from megarl.rollout.vllm_start import eager_on_cpu, fork_engine_core
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     if opt_out:
         monkeypatch.setenv("MEGARL_VLLM_CPU_COMPILE", "1")
-    with _fork_engine_core(on_gpu=False), _eager_on_cpu(on_gpu=False):
+    with fork_engine_core(on_gpu=False), eager_on_cpu(on_gpu=False):
         assert os.environ.get("TORCHDYNAMO_DISABLE") == (None if opt_out else "1")  # a spawned core reads it
         assert _forked_child_compiles() == opt_out
     assert "TORCHDYNAMO_DISABLE" not in os.environ and not torch._dynamo.config.disable
@@ -360,11 +360,11 @@ def test_a_forked_core_never_collects_the_objects_it_inherited():
     walked the rank's objects (0.3-0.4 s apiece) and dirtied the pages it shares with the rank."""
     import gc
 
-    from megarl.rollout.vllm_engine import _fork_engine_core
+    from megarl.rollout.vllm_start import fork_engine_core
 
     before = gc.get_freeze_count()
     tracked = len(gc.get_objects())
-    with _fork_engine_core(on_gpu=False):
+    with fork_engine_core(on_gpu=False):
         frozen_in_core = _forked_child_freeze_count()
         assert gc.get_freeze_count() == before  # the parent collects its own objects as before
     assert frozen_in_core >= before + tracked // 2  # everything tracked at the fork (minus what the fork freed)

