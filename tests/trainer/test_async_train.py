@@ -61,7 +61,12 @@ def test_async_with_staleness_0_gives_the_synchronous_run(tiny_task, tmp_path):
     for sync, asynchronous in zip(runs["sync"], runs["async"]):
         compared = [k for k in sync if not k.startswith(TIMINGS)]
         assert len(compared) > 20 and set(compared) <= set(asynchronous)
-        assert {k: sync[k] for k in compared} == {k: asynchronous[k] for k in compared}
+        # the engine-vs-trainer log-prob gap is rounding (~1e-7): a CPU engine's linears (torch's, on plain
+        # weights) round by how many requests share its batch, which async arrival changes; all else is exact
+        gap = [k for k in compared if k.startswith("rollout/mismatch_")]
+        exact = [k for k in compared if k not in gap]
+        assert {k: sync[k] for k in exact} == {k: asynchronous[k] for k in exact}
+        assert {k: asynchronous[k] for k in gap} == pytest.approx({k: sync[k] for k in gap}, abs=1e-6)
         assert asynchronous["async/staleness_max"] == 0 and asynchronous["async/dropped"] == 0
         assert 0 <= asynchronous["time/trainer_idle_share"] <= 1 and 0 <= asynchronous["time/engine_idle_share"] <= 1
     for step in (1, 2):
