@@ -13,10 +13,9 @@ Weight updates travel as IPC buckets (`sharding/ipc.py`: `IpcSender`, and `Megar
 installed as vLLM's `worker_extension_cls`; shared memory on CPU, CUDA IPC on GPU), to every
 vLLM worker, each loading its slice: `updating` pauses the engine (`update_mode`; "keep" with the
 caches cleared, so frozen requests recompute their KV on the new weights when they resume), the
-workers load the buckets — on CPU straight into the plain weights its linears keep (the model's own
-weight loaders; `vllm_patches.plain_cpu_linear_weights`, applied while the engine starts), otherwise
-streamed into ONE `reload_weights` call followed by the re-pack fixes of `megarl.rollout.vllm_patches`
-— then the engine core's weight version is set — vLLM labels every
+workers load the buckets (a CPU engine's linears keep plain weights, `vllm_patches.plain_cpu_linear_weights`:
+without MoE experts the model's own weight loaders copy the buckets in, `loads_in_place`; otherwise streamed into ONE `reload_weights` call followed by the re-pack fixes of
+`megarl.rollout.vllm_patches`), then the engine core's weight version is set — vLLM labels every
 step's output tokens with it (`CompletionOutput.weight_versions`), which is where
 `Completion.versions` comes from — and generation resumes. vLLM's layer-wise reload keeps a
 layer's tensors until the layer is complete (padded layers until the end), so producers give it a

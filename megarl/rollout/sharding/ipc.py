@@ -52,7 +52,7 @@ from megarl.rollout.sharding.protocol import (
     checksums,
     verify_bucket,
 )
-from megarl.rollout.vllm_patches import apply_in_vllm_process
+from megarl.rollout.vllm_patches import apply_in_vllm_process, loads_in_place, repack_after_reload
 
 _HELLO = "megarl-worker"
 
@@ -228,15 +228,11 @@ class MegarlWorkerExtension:
 
     def megarl_loads_in_place(self) -> bool:
         """Whether an update is copied straight into this worker's parameters (`vllm_patches.loads_in_place`)."""
-        from megarl.rollout.vllm_patches import loads_in_place
-
         return loads_in_place(self.get_model())
 
     def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
         """Receive buckets from the trainer until it sends None; load them (this worker's slice): in place into
         plain CPU weights, otherwise in one `reload_weights` call."""
-        from megarl.rollout.vllm_patches import loads_in_place, repack_after_reload
-
         names: list[str] = []
         in_place = loads_in_place(self.get_model())
         with connect_worker(address, authkey) as conn:
