@@ -68,41 +68,35 @@ def trajectory_batch(
 _REBUILT = ("input_ids", "attention_mask", "position_ids")
 
 
+def _padded(rows: list[list], width: int, pad, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    """Ragged Python rows → one [len(rows), width] tensor, built in one `torch.tensor` call (a per-row
+    copy into a preallocated tensor costs ~8 small torch ops per row: 15 ms a step at 256 rows)."""
+    if left:
+        return torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=dtype)
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 def _left_padded(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    width = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        out[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-    return out
+    return _padded(sequences, max(len(s) for s in sequences), pad_token_id, torch.long, left=True)
 
 
 def _prompt_mask(flat: list[Trajectory], width: int) -> torch.Tensor:
-    mask = torch.zeros(len(flat), width, dtype=torch.long)
-    for i, t in enumerate(flat):
-        mask[i, width - len(t.prompt_ids) :] = 1
-    return mask
+    lengths = torch.tensor([len(t.prompt_ids) for t in flat], dtype=torch.long)
+    return (torch.arange(width) >= width - lengths[:, None]).long()
 
 
 def _right_padded(flat: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Response ids, real-token mask, model-token mask, log-probs, versions and turn rewards [B, T]."""
     width = max(1, max(len(t.response_ids) for t in flat))
-    out = {
-        "ids": torch.full((len(flat), width), pad_token_id, dtype=torch.long),
-        "real": torch.zeros(len(flat), width, dtype=torch.long),
-        "mask": torch.zeros(len(flat), width, dtype=torch.long),
-        "logprobs": torch.zeros(len(flat), width),
-        "turn_rewards": torch.zeros(len(flat), width),
-        "versions": torch.full((len(flat), width), -1, dtype=torch.long),
+    lengths = torch.tensor([len(t.response_ids) for t in flat], dtype=torch.long)
+    return {
+        "ids": _padded([t.response_ids for t in flat], width, pad_token_id, torch.long),
+        "real": (torch.arange(width) < lengths[:, None]).long(),
+        "mask": _padded([t.response_mask for t in flat], width, 0, torch.long),
+        "logprobs": _padded([t.response_logprobs for t in flat], width, 0.0, torch.float32),
+        "versions": _padded([t.response_versions for t in flat], width, -1, torch.long),
+        "turn_rewards": _padded([t.token_rewards() for t in flat], width, 0.0, torch.float32),
     }
-    for i, t in enumerate(flat):
-        n = len(t.response_ids)
-        out["ids"][i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
-        out["real"][i, :n] = 1
-        out["mask"][i, :n] = torch.tensor(t.response_mask, dtype=torch.long)
-        out["logprobs"][i, :n] = torch.tensor(t.response_logprobs, dtype=torch.float32)
-        out["versions"][i, :n] = torch.tensor(t.response_versions, dtype=torch.long)
-        out["turn_rewards"][i, :n] = torch.tensor(t.token_rewards(), dtype=torch.float32)
-    return out
 
 
 def _oldest_version(t: Trajectory) -> int:
