@@ -9,6 +9,7 @@ followed by a right-padded response.
                                           at tool / user / environment tokens), rollout_log_probs,
                                           response_versions, turn_rewards [B, T], uid, finish_reason
     decode_responses(batch, tokenizer)    response texts for the reward functions
+    masked_rows(ids, mask)                each row's ids where the mask is set, as a Python list
     outcome_rewards(scores, mask)         a score per row on its last response token [B, T]
 
 Pure torch / numpy: no Ray, megatron or vLLM.
@@ -30,11 +31,16 @@ PROMPT_COLUMNS = ("input_ids", "attention_mask")
 
 def requests(prompts: Batch, params: SamplingParams, seed: int) -> list[tuple[list[int], SamplingParams]]:
     """One request per prompt row; sampled requests get seed + row (reproducible wherever they run)."""
-    out = []
-    for row in range(len(prompts)):
-        ids = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
-        out.append((ids, params if params.greedy else dataclasses.replace(params, seed=seed + row)))
-    return out
+    rows = masked_rows(prompts["input_ids"], prompts["attention_mask"])
+    return [
+        (ids, params if params.greedy else dataclasses.replace(params, seed=seed + row)) for row, ids in enumerate(rows)
+    ]
+
+
+def masked_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's ids where the mask is set, as Python lists (two `tolist` calls: indexing row by row
+    costs ~6 µs a row in torch ops)."""
+    return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(ids.tolist(), mask.tolist())]
 
 
 def trajectory_batch(
@@ -126,8 +132,8 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     tool / user / environment turns between them (special tokens such as the stop token dropped)."""
     width = batch["response_mask"].shape[1]
     responses = batch["input_ids"][:, -width:]
-    real = batch["attention_mask"][:, -width:].bool()
-    return [tokenizer.decode(responses[i][real[i]].tolist(), skip_special_tokens=True) for i in range(len(batch))]
+    rows = masked_rows(responses, batch["attention_mask"][:, -width:])
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

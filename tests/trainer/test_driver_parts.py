@@ -37,6 +37,16 @@ def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
     assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]]
     assert batch["rollout_log_probs"][1].tolist() == [-1.0, -2.0, -3.0]
     assert list(batch["uid"]) == ["7:0", "7:0", "7:1", "7:1"] and list(batch["ground_truth"]) == ["1", "1", "2", "2"]
+    assert [batch[k].dtype for k in ("input_ids", "attention_mask", "response_mask", "response_versions")] == [
+        torch.long
+    ] * 4
+    assert batch["rollout_log_probs"].dtype == batch["turn_rewards"].dtype == torch.float32
+
+    class Ids:  # a tokenizer whose text is the ids it decodes
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    assert batching.decode_responses(batch, Ids()) == ["3", "4 3 3", "9 3", "9 3"]  # the real response tokens
     rewards = batching.outcome_rewards(torch.tensor([1.0, 0.5, 0.0, 2.0]), batch["response_mask"])
     assert rewards.tolist() == [[1, 0, 0], [0, 0, 0.5], [0, 0, 0], [0, 2, 0]]
     assert [len(b) for b in batching.minibatches(batch, 2, epochs=2)] == [2, 2, 2, 2]
