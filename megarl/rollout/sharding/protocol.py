@@ -119,8 +119,9 @@ def checked_tensors(
 
 def checksums(bucket: FlatBucket) -> torch.Tensor:
     """Per tensor of the bucket, the wrapping int64 sum of the 8-byte words holding its bytes (a word shared
-    with a neighbour counts for both): one pass over the buffer at memory speed (about 3× a copy on CPU),
-    on its device. Transports that move the bytes (IPC, broadcast) send these beside each bucket."""
+    with a neighbour counts for both): one read of the buffer at memory speed, on its device (on CPU about
+    half the time of a copy of the same bytes, which reads and writes them: 16 against 32 ms for 0.4 GB on
+    one thread). Transports that move the bytes (IPC, broadcast) send these beside each bucket."""
     raw = bucket.buffer.view(torch.uint8)
     if raw.storage_offset() % 8:  # int64 words must be aligned
         raw = raw.clone()
