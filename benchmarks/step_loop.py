@@ -16,7 +16,7 @@ steps and cosine decay to 1e-4, grad clip 1.0):
     log-probs are the same forward's, detached), `torch.optim.AdamW`. Its greedy accuracy on the
     200 held-out problems is printed before and after (outside the timing) to show it learns;
   * megarl — `megarl train --config configs/grpo_quickstart.yaml` as the quickstart runs it (Ray, two
-    gloo ranks with a TP2 megatron actor, a vLLM CPU engine each where installed, weight sync).
+    gloo ranks with a DP2 megatron actor, a vLLM CPU engine each where installed, weight sync).
     Its step loop is the sum of `time/step` in metrics.jsonl (what `train_step` takes); the
     command's wall time is split into workers ready, the step loop and everything else
     (driver start-up, validation, checkpoint, plot, shutdown).

@@ -11,7 +11,7 @@
 # Steps: setup (.venv; idempotent) → tiny model + tokenizer + task (sums of three digits, 200 held-out
 # problems) + SFT warm-up on a sloppy teacher's answers (scripts/prepare_quickstart.py) →
 # `megarl train --config configs/grpo_quickstart.yaml` through Ray with two CPU worker processes
-# (TP2 actor, one vLLM CPU engine each) → validation before/after.
+# (DP2 actor, one vLLM CPU engine each; TP2 with --ppo) → validation before/after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ALGO=grpo

@@ -62,9 +62,12 @@ def test_quickstart_validates_with_local_files_fast(local, name):
     start = time.perf_counter()
     derived = validate(cfg)
     assert time.perf_counter() - start < 1.0
-    assert derived.role_world["actor"] == 2 and derived.role_dp["actor"] == 1
-    if name.startswith("ppo"):
+    assert derived.role_world["actor"] == 2
+    if name.startswith("ppo"):  # a TP2 actor, a DP2 critic
         assert derived.roles == ("actor", "ref", "critic") and derived.role_dp["critic"] == 2
+        assert derived.role_dp["actor"] == 1
+    else:  # GRPO: a DP2 actor
+        assert derived.roles == ("actor",) and derived.role_dp["actor"] == 2
 
 
 def test_context_parallel_layout_validates_on_gpu_runs(local):
@@ -105,7 +108,7 @@ BAD = [
         r" divisible by actor's data-parallel size 2",
     ),
     # layouts vs GPUs and vs the model
-    (["actor.layout.pp=3"], r"actor\.layout: tp\*pp\*cp = 2\*3\*1 = 6 does not divide the 2 GPUs of pool 'main'"),
+    (["actor.layout.tp=2", "actor.layout.pp=3"], r"actor\.layout: tp\*pp\*cp = 2\*3\*1 = 6 does not divide the 2 GPUs of pool 'main'"),
     (
         ["resources.gpus_per_node=8", "actor.layout.tp=8"],
         r"actor\.layout does not fit .*num_attention_heads=4 is not divisible by tp=8",

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (CPU build) i
 # temperature 0.7: the engines' sampling log-probs and the actor's old log-probs are both taken at the
 # sampling temperature (one temperature contract), so their gap is ~0 at any temperature
 GRPO = [
+    "actor.layout.tp=2",  # a full run whose syncs gather TP shards (the quickstart itself is DP2)
     "trainer.total_steps=3",
     "trainer.checkpoint_every_steps=2",
     "validation.every_steps=2",
