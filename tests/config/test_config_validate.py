@@ -108,7 +108,10 @@ BAD = [
         r" divisible by actor's data-parallel size 2",
     ),
     # layouts vs GPUs and vs the model
-    (["actor.layout.tp=2", "actor.layout.pp=3"], r"actor\.layout: tp\*pp\*cp = 2\*3\*1 = 6 does not divide the 2 GPUs of pool 'main'"),
+    (
+        ["actor.layout.tp=2", "actor.layout.pp=3"],
+        r"actor\.layout: tp\*pp\*cp = 2\*3\*1 = 6 does not divide the 2 GPUs of pool 'main'",
+    ),
     (
         ["resources.gpus_per_node=8", "actor.layout.tp=8"],
         r"actor\.layout does not fit .*num_attention_heads=4 is not divisible by tp=8",
