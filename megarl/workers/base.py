@@ -103,15 +103,18 @@ class EngineRole:
 
     @contextlib.contextmanager
     def resident(self):
-        """The engine on its device for the duration (onload/offload around it when offloaded)."""
+        """The engine on its device for the duration (onload/offload around it when offloaded; those two
+        run megatron code, so in the device mode, which the block itself need not be in)."""
         if not self.offload:
             yield
             return
-        self.engine.onload()
+        with device_mode():
+            self.engine.onload()
         try:
             yield
         finally:
-            self.engine.offload()
+            with device_mode():
+                self.engine.offload()
 
     @contextlib.contextmanager
     def boundary(self):

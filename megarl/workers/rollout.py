@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megarl.workers.base import device_mode, local_role, register_local
+from megarl.workers.base import local_role, register_local
 
 
 def rollout_backend(name: str) -> str:
@@ -125,7 +125,7 @@ class Rollout:
     def sync_weights(self) -> Optional[int]:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""
         actor = local_role("actor")
-        with device_mode(), actor.resident():
+        with actor.resident():  # the manager's copies and collectives need no CUDA → CPU mapping
             return self.manager.sync(self.sender, version=actor.engine.step)
 
     def version(self) -> Optional[int]:
@@ -183,7 +183,7 @@ class RolloutSender:
         if not self.sends:
             return None
         actor = local_role("actor")
-        with device_mode(), actor.resident():
+        with actor.resident():  # the manager's copies and collectives need no CUDA → CPU mapping
             return self.manager.sync(self.sender, version=actor.engine.step)
 
     def close(self) -> None:

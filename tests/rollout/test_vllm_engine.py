@@ -126,6 +126,56 @@ def test_ipc_transport_streams_buckets_into_one_reload(engine, rollout_models):
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
 
 
+def test_ipc_updates_keep_the_channel_and_a_refused_one_reconnects(engine, rollout_models):
+    """The engine's worker keeps its connection and maps kept buffers (the sharding manager's,
+    `FlatBucket.kept`) once: the second update writes other weights into the same buffers and the engine
+    serves them. An update refused on the way (a bucket changed after its checksum was taken) closes
+    the channel on both sides; the next update connects anew and the engine serves its weights."""
+    import dataclasses
+    from unittest import mock
+
+    from rollout_api_checks import checkpoint
+    from rollout_sync_checks import hf_greedy
+
+    from megarl.rollout.sharding import ipc
+    from megarl.rollout.sharding.plan import HFSpec
+    from megarl.rollout.sharding.protocol import bucket_tensors
+
+    first, second = checkpoint(rollout_models["qwen2_other"]), checkpoint(rollout_models["qwen2"])
+    buckets = [dataclasses.replace(b, kept=True) for b in bucket_tensors(first, 40_000, shared=True)]
+
+    def write(weights):
+        for bucket, fresh in zip(buckets, bucket_tensors(weights, 40_000), strict=True):
+            assert bucket.entries == fresh.entries
+            bucket.buffer.copy_(fresh.buffer)
+
+    sender = ipc.IpcSender(engine)  # checksums on
+    sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in first])
+    version = engine.version
+    sender.send(buckets, version + 1)
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2_other"])
+    write(second)
+    address, conns = sender.address, list(sender._channel.conns)
+    assert sender.send(buckets, version + 2) == version + 2
+    assert sender.address == address and sender._channel.conns == conns
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
+
+    def racing(bucket):
+        sums = real_checksums(bucket)
+        if bucket is buckets[3]:
+            bucket.buffer[0] += 1.0
+        return sums
+
+    real_checksums = ipc.checksums
+    write(first)
+    with mock.patch.object(ipc, "checksums", racing), pytest.raises(Exception, match="gate_proj.*checksum mismatch"):
+        sender.send(buckets, version + 3)
+    assert engine.version == version + 2 and sender._channel.closed
+    write(first)
+    assert sender.send(buckets, version + 4) == version + 4 and sender.address != address
+    assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2_other"])
+
+
 def test_vllm_reads_streamed_tensors_after_later_ones_were_asked_for(engine, rollout_models):
     """Why vLLM engines get a buffer per bucket (`holds_update_tensors`): its layer-wise reload keeps a
     layer's tensors until the layer is complete (padded layers until the end), so a producer that

@@ -436,3 +436,63 @@ def test_update_failing_partway_stops_the_engine_until_an_update_succeeds(rollou
         engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert engine.update_weights(checkpoint) == version + 1 and engine.broken is None
     assert engine_equals(engine, checkpoint) and engine.generate_sync([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
+    """Updates after the first reuse the workers' connections; a kept buffer crosses by handle once and
+    by token after it (the worker reads the trainer's new bytes through its old mapping); a buffer that
+    is not kept, or was replaced, crosses by handle; the worker drops mappings an update no longer uses."""
+    import dataclasses
+
+    from torch.multiprocessing import reductions
+
+    from megarl.rollout.sharding import ipc
+
+    channel = ipc.IpcChannel(f"/tmp/megarl-test-{free_port()}.sock", b"k" * 16)
+    buckets = [dataclasses.replace(b, kept=True) for b in bucket_tensors(checkpoint, 200_000, shared=True)]
+    worker_side: dict = {"mapped": {}}
+
+    def worker():  # what MegarlWorkerExtension does: one connection and its mappings, kept
+        if "conn" in worker_side:
+            worker_side["conn"].send(ipc._HELLO)
+        else:
+            worker_side["conn"] = ipc.connect_worker(channel.address, channel.authkey)
+        return [
+            (n, t.clone())
+            for b in ipc.receive_buckets(worker_side["conn"], worker_side["mapped"])
+            for n, t in b.tensors()
+        ]
+
+    handles = []
+
+    def counting(tensor):
+        handles.append(tensor)
+        return reduce_tensor(tensor)
+
+    reduce_tensor = reductions.reduce_tensor
+    with mock.patch.object(reductions, "reduce_tensor", counting):
+        assert [n for n, _ in channel.serve(buckets, worker)] == [n for n, _ in checkpoint]
+        assert len(handles) == len(buckets) and len(worker_side["mapped"]) == len(buckets)
+        conns = list(channel.conns)
+        for b in buckets:
+            b.buffer.mul_(2.0)  # the next update's weights, written into the same buffers
+        received = channel.serve(buckets, worker)
+        assert channel.conns == conns and len(handles) == len(buckets)  # no new connection, no handle
+        assert all(torch.equal(t, 2.0 * w) for (_, t), (_, w) in zip(received, checkpoint))
+
+        replaced = [dataclasses.replace(buckets[0], buffer=buckets[0].buffer.clone().share_memory_())] + [
+            dataclasses.replace(b, kept=False) for b in buckets[1:]
+        ]
+        received = channel.serve(replaced, worker)
+        assert len(handles) == 2 * len(buckets)  # every buffer by handle again
+        assert all(torch.equal(t, 2.0 * w) for (_, t), (_, w) in zip(received, checkpoint))
+        assert len(worker_side["mapped"]) == 1  # only the replacement is still mapped
+
+    def failing():
+        raise RuntimeError("reload refused")
+
+    with pytest.raises(RuntimeError, match="reload refused"):
+        channel.serve(buckets, failing)
+    assert channel.closed
+    with pytest.raises(EOFError):  # the worker's kept connection ends with the channel
+        worker_side["conn"].recv()

@@ -1,14 +1,18 @@
 """IPC transport: vLLM workers in other processes map each bucket instead of copying it.
 
-Owns: `IpcSender` (trainer side; a `Sender`), `serve_buckets` / `receive_buckets` (the two ends of
-one update) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_extension_cls`;
+Owns: `IpcSender` (trainer side; a `Sender`), `IpcChannel` (the sender's end, kept from update to
+update), `receive_buckets` (the worker's end of one update), `serve_buckets` (one update over a channel
+of its own) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_extension_cls`;
 `VLLMEngine` sets it). Per `FlatBucket` the trainer sends
-`torch.multiprocessing.reductions.reduce_tensor` of the bucket's buffer as it is — a CUDA IPC
-handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the sharding
-manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus the entries (name,
-shape, offset) and (`verify`, on by default) its per-tensor checksums (`protocol.checksums`), over a
-`multiprocessing.connection` to every vLLM worker of the engine: nothing is flattened, concatenated or
-re-bucketed on the way, and the next bucket is gathered while the workers load this one. Each worker
+`torch.multiprocessing.reductions.reduce_tensor` of the memory holding the bucket's buffer as it is —
+a CUDA IPC handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the
+sharding manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus where the
+bucket lies in it, the entries (name, shape, offset) and (`verify`, on by default) its per-tensor
+checksums (`protocol.checksums`), over a `multiprocessing.connection` to every vLLM worker of the
+engine: nothing is flattened, concatenated or re-bucketed on the way, and the next bucket is
+gathered while the workers load this one. The connections stay open from update to update, and a
+buffer the manager keeps between syncs (`FlatBucket.kept`: host memory) crosses by handle once: later
+updates name it by a token and the worker reads it through the mapping it already has. Each worker
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
 weights) and loads views of it. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
@@ -23,8 +27,8 @@ With rollout TP > 1 all `engine.ipc_workers` workers connect to the one listener
 host rank and each takes every bucket (a worker on another GPU opens the CUDA handle on the
 device it names: the sender's GPU, found by UUID among the worker's visible devices, which for a
 colocated engine include the host rank's GPU). A failure on either side ends the update on both
-(a worker that never connects does not leave the sender waiting): `serve_buckets` raises, and the
-engine decides what the failure means (`UpdateProgress`: had a bucket been handed over yet?).
+(a worker that never connects or answers does not leave the sender waiting) and closes the channel
+(the next update opens a new one): `IpcChannel.serve` raises, and the engine decides what the failure means (`UpdateProgress`: had a bucket been handed over yet?).
 Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors.
 
 Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-typed
@@ -33,12 +37,16 @@ Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-ty
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 import tempfile
 import threading
 import uuid
-from multiprocessing.connection import Client, Listener
+import weakref
+from multiprocessing import Pipe
+from multiprocessing.connection import Client, Listener, wait
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -55,10 +63,15 @@ from megarl.rollout.sharding.protocol import (
 from megarl.rollout.vllm_patches import apply_in_vllm_process, loads_in_place, repack_after_reload
 
 _HELLO = "megarl-worker"
+_END = "megarl-end"  # an update's last message: (_END, the tokens of the kept buffers still in use)
 
 
 class IpcSender:
-    """Trainer side of the IPC transport to an engine whose vLLM workers are other processes."""
+    """Trainer side of the IPC transport to an engine whose vLLM workers are other processes.
+
+    Its `IpcChannel` (listener, the workers' connections, the buffers they have mapped) is kept from
+    update to update; a failed update closes it on both sides, and the next one opens a new one.
+    """
 
     keeps_buffers = True  # the worker's reload may hold a layer's views until the layer is complete
     shares_buffers = True
@@ -66,8 +79,8 @@ class IpcSender:
     def __init__(self, engine, *, address: Optional[str] = None, verify: bool = True):
         self.engine, self.verify = engine, verify
         self.workers = int(getattr(engine, "ipc_workers", 1))
-        self.address = address or os.path.join(tempfile.gettempdir(), f"megarl-ipc-{uuid.uuid4().hex[:12]}.sock")
-        self.authkey = os.urandom(16)
+        self.address, self.authkey = address or _fresh_address(), os.urandom(16)
+        self._channel: Optional[IpcChannel] = None
         self._announced = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
@@ -78,16 +91,149 @@ class IpcSender:
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Hand every bucket to the engine's workers by handle; returns the engine's version after it."""
         checked = (check_bucket(b, self._announced) for b in buckets)
+        if self._channel is not None and self._channel.closed:  # the last update failed: listen somewhere new
+            self._channel, self.address, self.authkey = None, _fresh_address(), os.urandom(16)
+        if self._channel is None:
+            self._channel = IpcChannel(self.address, self.authkey, self.workers)
         progress = UpdateProgress()
-        return serve_buckets(
-            self.address,
-            self.authkey,
+        return self._channel.serve(
             checked,
             lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
-            workers=self.workers,
             progress=progress,
             verify=self.verify,
         )
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+class IpcChannel:
+    """The sender's end of the IPC transport, kept from update to update.
+
+    Holds the listener, the `workers` connections of the engine's workers (made during the first update,
+    kept by both sides after it: later updates need no connect and handshake) and which kept buffers
+    (`FlatBucket.kept`) the workers have mapped: such a buffer crosses by handle once, afterwards by a
+    token, and the worker's mapping, its page tables included, is reused. Each update ends with the
+    tokens still in use; the workers drop their other mappings. Any failure closes the channel on both
+    sides (`serve` raises): the next update starts over with a new one.
+    """
+
+    def __init__(self, address: str, authkey: bytes, workers: int = 1):
+        self.address, self.authkey, self.workers = address, authkey, workers
+        self.listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self.conns: list = []
+        self.mapped: dict[int, tuple[weakref.ref, int]] = {}  # storage address → (its storage, token)
+        self._tokens = itertools.count()
+        self._wake_r, self._wake_w = Pipe(duplex=False)  # the receive side ended: stop waiting for workers
+        self._finalizer = weakref.finalize(self, _close_all, self.listener, self.conns, self._wake_r, self._wake_w)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        self.mapped.clear()
+        self._finalizer()
+
+    def serve(
+        self,
+        buckets: Iterable[FlatBucket],
+        receive,
+        *,
+        progress: Optional[UpdateProgress] = None,
+        verify: bool = True,
+    ):
+        """Run `receive()` (which makes the workers connect, or reuse their connection, and load) on a
+        thread and feed them the buckets; what `receive()` returned.
+
+        A failure of `receive()` is raised as it is; a failure on this side (the buckets, a worker
+        gone) is raised after `receive()` has ended too. Either closes the channel.
+        """
+        progress = progress or UpdateProgress()
+        result: dict = {}
+        while self._wake_r.poll():  # the previous update's end
+            self._wake_r.recv()
+
+        def run():
+            try:
+                result["value"] = receive()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
+                result["error"] = exc
+                _wake_listener(self.address)  # a sender still waiting for workers to connect stops waiting
+            finally:
+                with contextlib.suppress(OSError):  # closed already when this side failed first
+                    self._wake_w.send(None)  # ... or for a worker's message
+
+        thread = threading.Thread(target=run, name="megarl-ipc-receive", daemon=True)
+        thread.start()
+        try:
+            self._feed(buckets, progress, verify)
+        except BaseException as exc:  # noqa: BLE001 - the receive side's error, when there is one, is the cause
+            result.setdefault("send_error", exc)
+            self.close()  # workers still reading see the end and fail; receive() then returns
+        finally:
+            thread.join()
+        if "error" in result or "send_error" in result:
+            self.close()
+            raise result.get("error", result.get("send_error"))
+        return result["value"]
+
+    def _feed(self, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool) -> None:
+        for conn in self.conns:  # kept from an earlier update: each worker announces every update
+            if self._recv(conn) != _HELLO:
+                raise RuntimeError("a vLLM worker did not announce the update")
+        while len(self.conns) < self.workers:
+            self.conns.append(self.listener.accept())
+            if self._recv(self.conns[-1]) != _HELLO:
+                raise RuntimeError("an IPC peer that is not a megarl worker connected")
+        pending, live = iter(buckets), []
+        message = self._message(next(pending, None), verify, live)
+        while message is not None:
+            progress.touched = True  # from here a worker may hand tensors of this bucket to the model
+            for conn in self.conns:
+                conn.send(message)
+            # The next bucket is gathered and checksummed while the workers load this one (every bucket
+            # has a buffer of its own within an update: `IpcSender.keeps_buffers`); if that fails, the
+            # workers still finish this one before they see the connection end.
+            try:
+                message = self._message(next(pending, None), verify, live)
+            finally:
+                for conn in self.conns:
+                    if self._recv(conn) != "ok":  # the worker has taken the bucket's views
+                        raise RuntimeError("a vLLM worker did not acknowledge a weight bucket")
+        for conn in self.conns:
+            conn.send((_END, live))
+        self.mapped = {ptr: known for ptr, known in self.mapped.items() if known[1] in live}
+
+    def _recv(self, conn):
+        """The worker's next message; raises when the receive side ended first (its error is the one raised)."""
+        if self._wake_r in wait([conn, self._wake_r]) and not conn.poll():
+            raise RuntimeError("the engine's reload ended before the update was complete")
+        return conn.recv()
+
+    def _message(self, bucket: Optional[FlatBucket], verify: bool, live: list):
+        """What travels for one bucket: its buffer (a handle, or the token of a buffer the workers have
+        mapped), where the bucket lies in it, its entries, device and (`verify`) checksums."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if bucket is None:
+            return None
+        sums = checksums(bucket).tolist() if verify else None
+        buffer = bucket.buffer
+        storage = buffer.untyped_storage()
+        known = self.mapped.get(storage.data_ptr()) if bucket.kept else None
+        if known is not None and known[0]() is storage:
+            handle, token = None, known[1]
+        else:
+            whole = torch.empty(0, dtype=torch.uint8, device=buffer.device).set_(storage)
+            handle, token = reduce_tensor(whole), (next(self._tokens) if bucket.kept else None)
+            if token is not None:
+                self.mapped[storage.data_ptr()] = (weakref.ref(storage), token)
+        if token is not None:
+            live.append(token)
+        where = (buffer.storage_offset() * buffer.element_size(), buffer.numel(), buffer.dtype)
+        return handle, token, where, bucket.entries, _device_uuid(buffer), sums
 
 
 def serve_buckets(
@@ -100,75 +246,25 @@ def serve_buckets(
     progress: Optional[UpdateProgress] = None,
     verify: bool = True,
 ):
-    """Listen, run `receive()` (which makes `workers` workers connect and load) on a thread, feed them the buckets.
-
-    Returns what `receive()` returned. A failure of `receive()` is raised as it is; a failure on
-    this side (the buckets, a worker gone) is raised after `receive()` has ended too.
-    """
-    progress = progress or UpdateProgress()
-    result: dict = {}
-    with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
-
-        def run():
-            try:
-                result["value"] = receive()
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the sending thread
-                result["error"] = exc
-                _wake_listener(address)  # a sender still waiting for workers stops waiting
-
-        thread = threading.Thread(target=run, name="megarl-ipc-receive", daemon=True)
-        thread.start()
-        conns: list = []
-        try:
-            _feed(listener, conns, workers, buckets, progress, verify)
-        except BaseException as exc:  # noqa: BLE001 - the receive side's error, when there is one, is the cause
-            result.setdefault("send_error", exc)
-        finally:
-            for conn in conns:
-                conn.close()  # workers still reading see the end and fail; receive() then returns
-            thread.join()
-    if "error" in result:
-        raise result["error"]
-    if "send_error" in result:
-        raise result["send_error"]
-    return result["value"]
+    """One update over a channel of its own (`IpcChannel.serve`), closed after it."""
+    channel = IpcChannel(address, authkey, workers)
+    try:
+        return channel.serve(buckets, receive, progress=progress, verify=verify)
+    finally:
+        channel.close()
 
 
-def _feed(
-    listener, conns: list, workers: int, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool
-) -> None:
-    for _ in range(workers):
-        conn = listener.accept()
-        conns.append(conn)
-        if conn.recv() != _HELLO:
-            raise RuntimeError("an IPC peer that is not a megarl worker connected")
-    pending = iter(buckets)
-    message = _message(next(pending, None), verify)
-    while message is not None:
-        progress.touched = True  # from here a worker may hand tensors of this bucket to the model
-        for conn in conns:
-            conn.send(message)
-        # The next bucket is gathered and checksummed while the workers load this one (every bucket
-        # has a buffer of its own within an update: `IpcSender.keeps_buffers`); if that fails, the
-        # workers still finish this one before they see the connection end.
-        try:
-            message = _message(next(pending, None), verify)
-        finally:
-            for conn in conns:
-                if conn.recv() != "ok":  # the worker has taken the bucket's views
-                    raise RuntimeError("a vLLM worker did not acknowledge a weight bucket")
+def _close_all(listener, conns: list, *pipes) -> None:
     for conn in conns:
-        conn.send(None)
+        conn.close()  # workers still reading see the end
+    conns.clear()
+    listener.close()
+    for pipe in pipes:
+        pipe.close()
 
 
-def _message(bucket: Optional[FlatBucket], verify: bool):
-    """What travels for one bucket: its buffer's handle, entries, device and (`verify`) checksums."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if bucket is None:
-        return None
-    sums = checksums(bucket).tolist() if verify else None
-    return reduce_tensor(bucket.buffer), bucket.entries, _device_uuid(bucket.buffer), sums
+def _fresh_address() -> str:
+    return os.path.join(tempfile.gettempdir(), f"megarl-ipc-{uuid.uuid4().hex[:12]}.sock")
 
 
 def _wake_listener(address: str) -> None:
@@ -189,18 +285,33 @@ def connect_worker(address: str, authkey: bytes):
     return conn
 
 
-def receive_buckets(conn) -> Iterable[FlatBucket]:
-    """Worker side: the buckets sent by `serve_buckets` until it sends None (acknowledging each), each
-    checked against its checksums when they came with it."""
-    while (message := conn.recv()) is not None:
-        (rebuild, args), entries, device_uuid, sums = message
-        if device_uuid is not None:
-            args = _on_visible_device(rebuild, args, device_uuid)
-        bucket = FlatBucket(rebuild(*args), tuple(entries))
+def receive_buckets(conn, mapped: Optional[dict] = None) -> Iterable[FlatBucket]:
+    """Worker side: the buckets `IpcChannel.serve` sends until the update's end (acknowledging each), each
+    checked against its checksums when they came with it.
+
+    `mapped`: token → buffer of the kept buffers mapped in earlier updates over this connection (kept
+    by the caller with the connection); updated here, and left holding the ones still in use.
+    """
+    mapped = {} if mapped is None else mapped
+    while (message := conn.recv())[0] != _END:
+        handle, token, (offset, numel, dtype), entries, device_uuid, sums = message
+        if handle is not None:
+            rebuild, args = handle
+            if device_uuid is not None:
+                args = _on_visible_device(rebuild, args, device_uuid)
+            whole = rebuild(*args)
+            if token is not None:
+                mapped[token] = whole
+        else:
+            whole = mapped[token]
+        buffer = whole[offset : offset + numel * dtype.itemsize].view(dtype)
+        bucket = FlatBucket(buffer, tuple(entries))
         yield bucket if sums is None else verify_bucket(bucket, torch.tensor(sums, dtype=torch.int64))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         conn.send("ok")
+    for token in set(mapped) - set(message[1]):
+        del mapped[token]
 
 
 def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
@@ -231,14 +342,19 @@ class MegarlWorkerExtension:
         return loads_in_place(self.get_model())
 
     def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
-        """Receive buckets from the trainer until it sends None; load them (this worker's slice): in place into
-        plain CPU weights, otherwise in one `reload_weights` call."""
+        """Receive buckets from the trainer until the update's end; load them (this worker's slice): in place
+        into plain CPU weights, otherwise in one `reload_weights` call.
+
+        The connection to the sender and the kept buffers mapped over it stay for the next update to the
+        same address; a failure drops both (the sender closes its side too)."""
         names: list[str] = []
         in_place = loads_in_place(self.get_model())
-        with connect_worker(address, authkey) as conn:
+        conn, mapped = self._megarl_channel(address, authkey)
+        buckets = receive_buckets(conn, mapped)
+        try:
 
             def stream():
-                for bucket in receive_buckets(conn):
+                for bucket in buckets:
                     for name, tensor in bucket.tensors():
                         names.append(name)
                         yield name, tensor
@@ -250,9 +366,26 @@ class MegarlWorkerExtension:
                     self.get_model().load_weights(stream())
             else:
                 self.reload_weights(weights_iterator=stream())
+            if next(buckets, None) is not None:  # the update's end must be read here, not by the next update
+                raise RuntimeError("the model's weight loading stopped before the update's last bucket")
+        except BaseException:
+            self._megarl_ipc = None
+            conn.close()
+            raise
         if not in_place:
             repack_after_reload(self, names)
         return len(names)
+
+    def _megarl_channel(self, address: str, authkey: bytes):
+        """(connection, mapped kept buffers) for this sender: the kept ones, else a new connection."""
+        kept = getattr(self, "_megarl_ipc", None)
+        if kept is not None and kept[0] == address:
+            kept[1].send(_HELLO)
+            return kept[1], kept[2]
+        if kept is not None:  # a new sender (the last one failed or went): its buffers go too
+            kept[1].close()
+        self._megarl_ipc = (address, connect_worker(address, authkey), {})
+        return self._megarl_ipc[1], self._megarl_ipc[2]
 
 
 # vLLM imports this module in each of its workers (the worker extension) before it loads the model: a

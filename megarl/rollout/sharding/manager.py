@@ -19,7 +19,7 @@ Must not import the training engine: it takes model chunks, a `ModelBridge` and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -221,7 +221,8 @@ class ShardingManager:
                         else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh)
                     )
                 own = None if own_row is None else (own_row, self._local)
-                yield unpack_bucket(bucket, gathered, dims, out, own)
+                flat = unpack_bucket(bucket, gathered, dims, out, own)
+                yield replace(flat, kept=True) if kept is not None and kept.holds(flat.buffer) else flat
         if buffers.keepable():
             self._buffers[shared] = buffers
 
@@ -256,8 +257,10 @@ class ShardingManager:
             message = None
         except Exception as err:  # noqa: BLE001 - any failure must reach every rank, or the others wait forever
             message = str(err) if isinstance(err, WeightUpdateError) else f"{type(err).__name__}: {err}"
-        messages = [None] * dist.get_world_size(self.groups.mp_group)
-        dist.all_gather_object(messages, message, group=self.groups.mp_group)
+        size = dist.get_world_size(self.groups.mp_group)
+        messages = [message] if size == 1 else [None] * size  # a replica of one rank (DP only): nobody to tell
+        if size > 1:
+            dist.all_gather_object(messages, message, group=self.groups.mp_group)
         failed = [m for m in messages if m]
         if failed:
             raise WeightUpdateError(failed[0])

@@ -44,6 +44,9 @@ class FlatBucket:
     """1-D, contiguous, one dtype; exactly the tensors' elements (entries cover it without gaps)."""
     entries: tuple[HFSlot, ...]
     """(HF name, shape, element offset) of every tensor, in buffer order."""
+    kept: bool = False
+    """The buffer is one the producer keeps from sync to sync (`transport.KeptBuffers`, host memory): the
+    same memory in every sync while it is kept, so a transport may map it once (`ipc.IpcChannel`)."""
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view of the buffer) per entry; no copy."""

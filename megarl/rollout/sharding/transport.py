@@ -218,6 +218,11 @@ class KeptBuffers:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lives in one of the kept buffers."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in self.buffers.values())
+
 
 def _sources(bucket: Bucket, stage_ranks) -> list[int]:
     stage = stage_ranks[bucket.source]
