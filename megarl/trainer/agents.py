@@ -83,7 +83,9 @@ class AgentRollout:
     def sample(self, prompts: Batch, row: int, index: int, params: SamplingParams, seed: Optional[int]):
         """Row `row`'s sample `index`; seeded like vLLM's n-sample requests (seed + row + index)."""
         fields = {key: prompts[key][row] for key in prompts.keys()}
-        fields["input_ids"] = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
+        fields["input_ids"] = batching.masked_rows(
+            prompts["input_ids"][row : row + 1], prompts["attention_mask"][row : row + 1]
+        )[0]
         sample_seed = None if params.greedy or seed is None else seed + row + index
         return AgentSample.from_row(fields, seed=sample_seed)
 

@@ -28,7 +28,8 @@ host rank and each takes every bucket (a worker on another GPU opens the CUDA ha
 device it names: the sender's GPU, found by UUID among the worker's visible devices, which for a
 colocated engine include the host rank's GPU). A failure on either side ends the update on both
 (a worker that never connects or answers does not leave the sender waiting) and closes the channel
-(the next update opens a new one): `IpcChannel.serve` raises, and the engine decides what the failure means (`UpdateProgress`: had a bucket been handed over yet?).
+(the next update opens a new one): `IpcChannel.serve` raises, and the engine decides what the
+failure means (`UpdateProgress`: had a bucket been handed over yet?).
 Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors.
 
 Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-typed
@@ -102,10 +103,6 @@ class IpcSender:
             progress=progress,
             verify=self.verify,
         )
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
 
 
 class IpcChannel:
