@@ -10,7 +10,9 @@ role "rollout" = `megarl.workers.RolloutSender`). Both offer what the loop uses 
     sync_weights()       the actor's weights into every engine; their (common) new policy version
     versions()           the engines' current policy versions
     asleep(timer)        a context: colocated engines give their GPU memory (weights, KV cache) to
-                         the training phases inside it; servers keep theirs
+                         the training phases inside it; servers keep theirs. On CPU a colocated
+                         engine has nothing to give: sleeping is the driver's flag alone (no call
+                         reaches the workers) and generating refuses until the block ends
 
 and, per request, for agent loops and asynchronous training (awaited on the driver's event loop):
 
@@ -105,6 +107,16 @@ class ColocatedEngines(_Engines):
         self.group.add_role("rollout", Rollout, cfg)
         self.ranks = engine_ranks(actor_group.world_size, cfg.rollout.tp)
         self.router = EngineRouter(len(self.ranks), max_outstanding=min(max_outstanding, REQUEST_CONCURRENCY))
+        self.frees_memory = cfg.resources.accelerator == "gpu"
+        """Asleep, the engines free GPU memory (a call to every worker); on CPU both engine backends
+        only raise a flag, so the driver keeps that flag itself (2 calls and ~4 ms a step saved)."""
+        self.sleeping = False
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise RuntimeError(
+                "the rollout engines are asleep (the training phases of a step hold them); generate outside `asleep()`"
+            )
 
     def _request(self, engine: int, method: str, *args):
         """A call of the rollout role on engine `engine`'s rank, in the request concurrency group."""
@@ -112,6 +124,7 @@ class ColocatedEngines(_Engines):
         return worker.call.options(concurrency_group=REQUEST_GROUP).remote(f"rollout.{method}", *args)
 
     async def _call(self, engine, prompt_ids, params, request_id, session_id):
+        self._check_awake()
         return (await self._request(engine, "generate", [(list(prompt_ids), params)], [request_id], [session_id]))[0]
 
     async def _abort(self, engine, request_ids):
@@ -128,6 +141,7 @@ class ColocatedEngines(_Engines):
         await asyncio.gather(*(self._request(e, "resume") for e in range(len(self.ranks))))
 
     def generate(self, requests: list) -> list:
+        self._check_awake()
         per_rank: list[tuple] = [([],) for _ in range(self.group.world_size)]
         for rank, chunk in zip(self.ranks, _deal(requests, len(self.ranks))):
             per_rank[rank] = (chunk,)
@@ -143,10 +157,14 @@ class ColocatedEngines(_Engines):
         return [versions[r] for r in self.ranks]
 
     def sleep(self) -> None:
-        self.group.get(self.group.execute_all("rollout.sleep"))
+        if self.frees_memory:
+            self.group.get(self.group.execute_all("rollout.sleep"))
+        self.sleeping = True
 
     def wake_up(self) -> None:
-        self.group.get(self.group.execute_all("rollout.wake_up"))
+        if self.frees_memory:
+            self.group.get(self.group.execute_all("rollout.wake_up"))
+        self.sleeping = False
 
     def shutdown(self) -> None:
         """The engines go with the actor's workers."""

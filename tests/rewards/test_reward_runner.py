@@ -94,6 +94,25 @@ def test_failure_score_is_configurable_in_process():
     assert [x["score"] for x in r.score(["bad", "a"], ["a", "a"])] == [-1.0, 1.0]
 
 
+def test_in_process_timeout_records_it_scores_the_rest_and_restores_the_alarm_handler():
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGALRM, mine)
+    try:
+        r = RewardRunner(RewardConfig(num_workers=0, timeout_s=0.3, reward_fn=f"{HELPERS}:sleeps_on_slow"))
+        start = time.monotonic()
+        out = r.score(["x", "slow", "y"], ["x", "slow", "q"])
+        assert time.monotonic() - start < 3
+        assert [x["score"] for x in out] == [1.0, 0.0, 0.0]
+        assert out[1]["reward_error"].startswith("timeout") and out[2]["reward_error"] is None
+        assert signal.getsignal(signal.SIGALRM) is mine and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_unknown_data_source_fails_before_scoring_naming_the_fix():
     r = RewardRunner(RewardConfig(num_workers=0))
     with pytest.raises(ValueError, match="no reward for data_source 'mystery'.*data_source_rewards"):
