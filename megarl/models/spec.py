@@ -110,13 +110,18 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
 
 
 def layer_spec(dims: ModelDims):
-    """Transformer Engine layer spec when TE imports, megatron-core's local spec otherwise."""
+    """Transformer Engine layer spec when TE imports, megatron-core's local spec otherwise (its core
+    attention computed by torch's fused kernel: `megarl.models.attention.SdpaAttention`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     moe = dict(num_experts=dims.num_experts, moe_grouped_gemm=False) if dims.moe else {}
     if te_available():
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm, **moe)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm", **moe)
+    from megarl.models.attention import SdpaAttention
+
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm", **moe)
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention  # torch's fused kernel
+    return spec
 
 
 class ValueHead(torch.nn.Module):
