@@ -179,9 +179,15 @@ def _in_forked_core() -> None:
     """At fork, in the child: what a forked engine core needs (a no-op outside `fork_engine_core`).
 
     The parent's objects stay frozen here: the core never collects them (they live as long as it).
+    The core dies with its parent (`lifetime.watch_parent`): vLLM's core does not notice its parent's
+    end, so a script using `VLLMEngine` that was killed (SIGTERM, SIGKILL: no atexit shutdown) left a
+    core process polling forever (seen: two such cores 40 minutes after their scripts were killed).
     """
     if not _FORKING_CORE:
         return
+    from megarl.utils.lifetime import watch_parent
+
+    watch_parent()
     _set_inherited_groups_aside()
     if os.environ.get("TORCHDYNAMO_DISABLE") == "1":  # `eager_on_cpu`: torch read the variable before it was set
         import torch._dynamo

@@ -33,6 +33,12 @@ def die_with_parent(poll_s: float = 0.5) -> None:
     if _started:
         return
     _started = True
+    watch_parent(poll_s)
+
+
+def watch_parent(poll_s: float = 0.5) -> None:
+    """`die_with_parent`'s watcher, started unconditionally: for a forked child (whose copy of `_started`
+    is its parent's), e.g. a vLLM engine core forked from a worker or a plain script."""
     parent = os.getppid()
     threading.Thread(target=_watch, args=(parent, poll_s), name="megarl-die-with-parent", daemon=True).start()
 
