@@ -257,9 +257,10 @@ class ShardingManager:
             message = None
         except Exception as err:  # noqa: BLE001 - any failure must reach every rank, or the others wait forever
             message = str(err) if isinstance(err, WeightUpdateError) else f"{type(err).__name__}: {err}"
+        messages = [message]  # a replica of one rank (DP only): nobody to tell
         size = dist.get_world_size(self.groups.mp_group)
-        messages = [message] if size == 1 else [None] * size  # a replica of one rank (DP only): nobody to tell
         if size > 1:
+            messages = [None] * size
             dist.all_gather_object(messages, message, group=self.groups.mp_group)
         failed = [m for m in messages if m]
         if failed:
