@@ -11,7 +11,13 @@ log-probs and entropy, megatron DDP + distributed Adam) on `--tp` ranks. Baselin
 the padded batch, `log_softmax` + gather, the entropy statistic, the same PPO-clip loss, AdamW. Both count real
 (unpadded) tokens; they alternate step by step in one process (same machine load), one warm-up
 step each, then the best of --steps. Prints tokens/s, the ratio megarl / baseline, and MFU (model FLOPs 6·N·T + causal attention, over the
-GPU's dense bf16 peak) when CUDA is present.
+GPU's dense bf16 peak) when CUDA is present. With megatron-core's local layer spec (no Transformer Engine:
+CPU) the same actor also steps, alternated with the others, with its core attention on megatron's
+unfused forward instead of torch's fused kernel (`megarl.models.attention.SdpaAttention`), and the ratio
+of the two is printed.
+
+    python benchmarks/train_step.py --layers 2 --hidden 128 --vocab 103 --rows 128 --prompt 16 --response 4 \
+        --threads 1          # the GRPO quickstart's model and update shape (one rank's rows)
 """
 
 import argparse
@@ -62,12 +68,23 @@ def bench_rank(hf_path, batch: Batch, args):
     """
     import torch.distributed as dist
 
+    from megarl.models.attention import SdpaAttention
+
     actor = _actor(hf_path, args)
-    megarl_step = lambda: actor.update(batch)  # noqa: E731
-    baseline_step = _hf_step_fn(hf_path, batch) if dist.get_rank() == 0 else (lambda: None)
-    times = {"megarl": [], "transformers": []}
+    fused = [m for chunk in actor.engine.model for m in chunk.modules() if isinstance(m, SdpaAttention)]
+
+    def megarl_step(fusable: bool):
+        for module in fused:
+            module.fusable = fusable
+        actor.update(batch)
+
+    steps = {"megarl": lambda: megarl_step(True)}
+    if fused:  # the local spec: its attention's two paths, alternated like the rest
+        steps["megarl, megatron's attention"] = lambda: megarl_step(False)
+    steps["transformers"] = _hf_step_fn(hf_path, batch) if dist.get_rank() == 0 else (lambda: None)
+    times = {name: [] for name in steps}
     for i in range(args.steps + 1):
-        for name, step in (("megarl", megarl_step), ("transformers", baseline_step)):
+        for name, step in steps.items():
             seconds = _timed(step)
             if i:  # step 0 warms up
                 times[name].append(seconds)
@@ -140,7 +157,7 @@ def _hf_step(model, optimizer, t):
     optimizer.step()
 
 
-def report(args, hf_path, batch, ours, base) -> None:
+def report(args, hf_path, batch, ours, base, unfused=None) -> None:
     tokens = int(batch["attention_mask"].sum())
     print(
         f"model: {args.arch} layers={args.layers} hidden={args.hidden} vocab={args.vocab}; batch {args.rows} rows,"
@@ -152,6 +169,11 @@ def report(args, hf_path, batch, ours, base) -> None:
             line += f"  MFU {_mfu(hf_path, batch, result['seconds'], args):.1%}"
         print(line)
     print(f"  ratio megarl / transformers = {base['seconds'] / ours['seconds']:.2f}x tokens/s")
+    if unfused is not None:
+        print(
+            f"  local-spec attention: fused {ours['seconds'] * 1e3:.1f} ms vs megatron's unfused"
+            f" {unfused['seconds'] * 1e3:.1f} ms a step = {unfused['seconds'] / ours['seconds']:.3f}x tokens/s"
+        )
 
 
 def _mfu(hf_path, batch, seconds, args) -> float:
@@ -180,7 +202,9 @@ def main(args) -> None:
         result = run_distributed(
             bench_rank, args.tp, str(hf_path), batch, args, num_threads=max(1, args.threads // args.tp)
         )[0]
-        report(args, hf_path, batch, result["megarl"], result["transformers"])
+        report(
+            args, hf_path, batch, result["megarl"], result["transformers"], result.get("megarl, megatron's attention")
+        )
 
 
 def parse_args(argv=None):

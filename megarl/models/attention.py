@@ -13,10 +13,9 @@ are megatron's); the unfused path's masked scores are -10000 before the softmax,
 that: a causal self-attention (no mask, or the explicit causal mask the training engine passes on
 CPU, `megarl.engine.engine._causal_mask`), vanilla softmax, no sliding window, no attention
 dropout while training, no query-key layer scaling, no packed sequences or attention bias;
-anything else runs megatron's own forward. Measured on the quickstart model (2 layers, 4 heads of
-32, one CPU thread, `Actor.update` with the two paths alternating): 128 rows of ~12 tokens 62.7 →
-61.2 ms an update, 16 rows of ~204 tokens 69.1 → 66.1 ms; no [b, heads, s, s] scores are kept for
-the backward pass.
+anything else runs megatron's own forward. Measured with `benchmarks/train_step.py` (2 layers, 4 heads
+of 32, one CPU thread, the two paths alternated): no gain on 128 rows of ~15 tokens (0.95–1.02×),
+1.13–1.14× tokens/s on 16 rows of ~290; no [b, heads, s, s] scores are kept for the backward pass.
 Parity: tests/models/test_sdpa_attention.py (outputs and gradients equal megatron's forward) and
 the engine's log-prob parity with `transformers`.
 """
