@@ -8,7 +8,7 @@
                       composed in the same processes (colocation) or on their own pool's group;
                       execute_all / execute_rank0 / dispatch + collect return or resolve Ray futures;
                       RoleHandle: a role's `@remote` methods called as their mark says
-    placement.py      plan_placement (pool -> roles in its processes), role_mesh, init_ray
+    placement.py      plan_placement (pool -> roles in its processes), role_mesh, init_ray, shutdown_ray
     dispatch.py       RankMesh (rank -> dp, tp, pp, cp in megatron order), DPSplit (token-balanced
                       DP shards of a Batch and the inverse permutation for results)
 
@@ -17,7 +17,7 @@ package does not import Ray, megatron or vLLM (cluster.py imports the role class
 """
 
 from megarl.controller.dispatch import DPSplit, RankCoord, RankMesh, row_lengths
-from megarl.controller.placement import init_ray, local_ray_resources, plan_placement, role_mesh
+from megarl.controller.placement import init_ray, local_ray_resources, plan_placement, role_mesh, shutdown_ray
 from megarl.controller.resource_pool import RankSlot, ResourcePool, pools_from_config
 from megarl.controller.worker_group import DPCall, RoleHandle, WorkerError, WorkerGroup, WorkerHost, role_handle
 
@@ -33,6 +33,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerHost",
     "init_ray",
+    "shutdown_ray",
     "local_ray_resources",
     "plan_placement",
     "pools_from_config",

@@ -204,10 +204,9 @@ def _stop(cluster, data, ray_too: bool) -> None:
     if cluster is not None and not ray_too:
         print(f"[megarl] workers stopped in {time.perf_counter() - start:.1f} s", flush=True)
     if ray_too:
-        import ray
+        from megarl.controller.placement import shutdown_ray
 
-        if ray.is_initialized():
-            ray.shutdown()
+        shutdown_ray()
         print(
             f"[megarl] stopped: workers and Ray gone in {time.perf_counter() - start:.1f} s.",
             file=sys.stderr,

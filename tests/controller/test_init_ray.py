@@ -62,3 +62,44 @@ def test_a_local_ray_starts_no_idle_workers_megarls_actors_could_not_use():
 def test_the_users_own_ray_setting_wins():
     """RAY_prestart_worker_first_driver set by the user is kept (and shows the check above can see them)."""
     assert _idle_workers(RAY_prestart_worker_first_driver="1") > 0
+
+
+SHUTDOWN_CHILD = textwrap.dedent("""
+    import psutil, ray
+    from megarl.config import load_config
+    from megarl.controller import init_ray, shutdown_ray
+
+    init_ray(load_config("configs/grpo_quickstart.yaml"), log_to_driver=False)
+    started = ray._private.worker._global_node.all_processes
+    pids = {kind: [info.process.pid for info in infos] for kind, infos in started.items()}
+    monitor = started["monitor"][0].process
+    terminated = []
+    monitor.terminate = lambda: terminated.append(True)  # Ray's SIGTERM, on which the monitor hangs
+    raylet = psutil.Process(pids["raylet"][0])
+    agents = raylet.children(recursive=True)
+    shutdown_ray()
+    shutdown_ray()  # Ray gone: nothing to do
+    _, alive = psutil.wait_procs(agents, timeout=10)  # the raylet's agents end after it, on their own
+    alive = [p.pid for p in alive]
+    alive += [pid for group in pids.values() for pid in group if psutil.pid_exists(pid)
+              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    print("kinds", sorted(pids), "alive", alive, "initialized", ray.is_initialized(),
+          "monitor sigterm", bool(terminated), flush=True)
+""")
+
+
+def test_shutdown_ray_stops_every_process_ray_started_without_the_monitors_hang():
+    """The autoscaler monitor is killed before Ray's shutdown: Ray would SIGTERM it after the GCS, and its
+    handler then waits on the gone GCS until Ray's grace period ends (1 of the 1.3 s shutdown)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SHUTDOWN_CHILD],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("kinds")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    assert "'monitor'" in lines[-1] and "'raylet'" in lines[-1] and "'gcs_server'" in lines[-1], lines[-1]
+    assert lines[-1].endswith("alive [] initialized False monitor sigterm False"), lines[-1]
