@@ -89,7 +89,9 @@ def ray_session():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test classes travel by value
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    from megarl.controller import shutdown_ray
+
+    shutdown_ray()  # no 1 s wait on Ray's autoscaler monitor
 
 
 @pytest.fixture(scope="module")

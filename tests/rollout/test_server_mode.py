@@ -25,7 +25,9 @@ def ray_cluster():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's role class travels by value
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    from megarl.controller import shutdown_ray
+
+    shutdown_ray()  # no 1 s wait on Ray's autoscaler monitor
 
 
 def sender_rank(actor_path, layout, port, world_size):
