@@ -305,10 +305,10 @@ def run() -> None:
     """The `megarl` command (console script, `python -m megarl.cli`): `main`, then leave.
 
     After `train` the process stops Ray (`shutdown_ray`) and leaves with `os._exit` once every atexit
-    handler has run (logging, multiprocessing, ...) and stdout/stderr are flushed: Python's own teardown after them took
-    1.45 s of the quickstart's exit (native teardown of Ray and torch; py-spy). Every file `train` writes
-    is closed by then (checkpoints and exports are synchronous; the metrics writers close at the end of
-    `fit`). Other commands, and `main` called in-process, exit as usual.
+    handler has run (logging, multiprocessing, ...) and stdout/stderr are flushed: Python's own teardown
+    after them took 1.45 s of the quickstart's exit (native teardown of Ray and torch; py-spy). Every file
+    `train` writes is closed by then (checkpoints and exports are synchronous; the metrics writers close at
+    the end of `fit`). Other commands, and `main` called in-process, exit as usual.
     """
     code = main()
     if sys.argv[1:2] == ["train"]:

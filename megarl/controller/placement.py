@@ -70,8 +70,8 @@ def shutdown_ray() -> None:
 
     Ray stops the monitor after the GCS; on SIGTERM the monitor reports its end to the GCS that is gone
     and hangs until Ray's 1 s grace period ends in SIGKILL (Ray 2.60: 1.0 of a 1.3 s shutdown). A monitor
-    has nothing to scale on the one machine of a local Ray. Only the processes this driver started are
-    touched (`_global_node` is Ray's private handle to them, absent when joining a cluster)."""
+    has nothing to scale on the one machine of a local Ray. Only processes this driver started are touched
+    (`_global_node.all_processes`, Ray's private record of them; a driver that joined a cluster started none)."""
     import ray
 
     if not ray.is_initialized():
