@@ -29,21 +29,22 @@ def balance_rows(
     equal-unit-count rule in the module docstring. lengths: tokens per row [N].
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    units = _units(len(lengths), group_ids, keep_groups)
-    if len(units) < num_ranks:
+    units = _units(len(lengths), group_ids) if keep_groups else None
+    count = len(units) if keep_groups else len(lengths)
+    if count < num_ranks:
         raise ValueError(
-            f"cannot give each of {num_ranks} ranks work from {len(units)} "
+            f"cannot give each of {num_ranks} ranks work from {count} "
             f"{'groups' if keep_groups else 'rows'}; lower the DP size or raise prompts_per_step"
         )
+    if not keep_groups:  # each row its own unit
+        return [sorted(part) for part in _karmarkar_karp(lengths.tolist(), num_ranks)]
     weights = [int(lengths[rows].sum()) for rows in units]
     parts = _karmarkar_karp(weights, num_ranks)
     return [sorted(int(row) for unit in part for row in units[unit]) for part in parts]
 
 
-def _units(num_rows: int, group_ids, keep_groups: bool) -> list[np.ndarray]:
-    """Rows dealt as one: singletons, or the rows of each group in order of first appearance."""
-    if not keep_groups:
-        return [np.array([row]) for row in range(num_rows)]
+def _units(num_rows: int, group_ids) -> list[np.ndarray]:
+    """Rows dealt as one: the rows of each group in order of first appearance."""
     if group_ids is None:
         raise ValueError("keep_groups=True needs group_ids (one id per row)")
     ids = np.asarray(group_ids).reshape(-1)
