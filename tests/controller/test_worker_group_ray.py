@@ -130,6 +130,8 @@ def test_dispatch_splits_by_dp_and_collects_from_first_tp_rank_last_stage(group)
     assert set(out["rank"].tolist()) == {0, 2}  # TP rank 0 of each DP shard
     pp_mesh = RankMesh(ParallelLayout(pp=2), 4)  # dp = 2 over ranks (0, 2) / (1, 3); last stage 2, 3
     assert set(group.collect(group.dispatch("actor.forward", batch, pp_mesh))["rank"].tolist()) == {2, 3}
+    dp_out = group.collect(group.dispatch("actor.forward", batch, RankMesh(ParallelLayout(), 4)))  # shards by value
+    assert torch.equal(dp_out["out"], torch.arange(8) * 10) and set(dp_out["rank"].tolist()) == {0, 1, 2, 3}
     with pytest.raises(
         WorkerError,
         match=r"group 'main' rank 0: ValueError: rank 0 refuses"
