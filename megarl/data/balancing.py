@@ -29,17 +29,19 @@ def balance_rows(
     equal-unit-count rule in the module docstring. lengths: tokens per row [N].
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    units = _units(len(lengths), group_ids) if keep_groups else None
-    count = len(units) if keep_groups else len(lengths)
-    if count < num_ranks:
+    if keep_groups:
+        units = _units(len(lengths), group_ids)
+        weights = [int(lengths[rows].sum()) for rows in units]
+    else:  # each row its own unit: the weights are the lengths, a part's units its rows
+        units, weights = None, lengths.tolist()
+    if len(weights) < num_ranks:
         raise ValueError(
-            f"cannot give each of {num_ranks} ranks work from {count} "
+            f"cannot give each of {num_ranks} ranks work from {len(weights)} "
             f"{'groups' if keep_groups else 'rows'}; lower the DP size or raise prompts_per_step"
         )
-    if not keep_groups:  # each row its own unit
-        return [sorted(part) for part in _karmarkar_karp(lengths.tolist(), num_ranks)]
-    weights = [int(lengths[rows].sum()) for rows in units]
     parts = _karmarkar_karp(weights, num_ranks)
+    if units is None:
+        return [sorted(part) for part in parts]
     return [sorted(int(row) for unit in part for row in units[unit]) for part in parts]
 
 
