@@ -1,7 +1,7 @@
 """Run a function on N local ranks: `run_distributed(fn, world_size, *args)`, and torchrun helpers.
 
 Used by the SPMD tools (conversion, parity) when started as a single process, and by the tests.
-Each rank is a fresh process (start method "forkserver" by default, "spawn" allowed) with
+Each rank is a fresh process (start method "forkserver" by default on CPU, "spawn" with CUDA) with
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set, the process group
 initialised (gloo on CPU, NCCL on GPU), `torch.set_num_threads(num_threads)` when given and
 `megatron_patches.apply_cpu_patches()` applied (a no-op with CUDA). `fn(*args, **kwargs)` runs on
@@ -13,6 +13,9 @@ failed) are killed.
 `fn` must be importable by name in a fresh process: define it at module top level, not as a
 lambda or closure. With forkserver, env variables a module reads at import time are those of the
 first call (the server preloads torch and megatron.core once); use start_method="spawn" otherwise.
+With CUDA the default is "spawn": a process forked from one that has initialised CUDA cannot use it
+("Cannot re-initialize CUDA in forked subprocess"), and importing the preloaded modules initialises
+CUDA on a GPU machine (seen on an H200: every rank failed in `torch.cuda.set_device`).
 
 Owns: process launch, rendezvous, result/exception transport. Must not import megatron at module
 level (apply_cpu_patches imports it inside the ranks).
@@ -169,14 +172,18 @@ def run_distributed(
     timeout: Optional[float] = None,
     num_threads: Optional[int] = None,
     apply_patches: bool = True,
-    start_method: str = "forkserver",
+    start_method: Optional[str] = None,
     **kwargs: Any,
 ) -> List[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
+    """Run `fn(*args, **kwargs)` on `world_size` ranks (gloo, or NCCL with CUDA); return the per-rank results.
+
+    `start_method` None: "spawn" where CUDA is available, else "forkserver" (module docstring).
 
     Raises RankError (the failing rank, with its traceback) if a rank raises or dies
     without reporting (exc_type "ProcessDied"), TimeoutError after `timeout` seconds (None: no limit).
     """
+    if start_method is None:
+        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # Effective only before the server starts (the first forkserver call of this process).

@@ -63,3 +63,16 @@ def test_stragglers_are_killed_at_the_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         run_distributed(sleep_forever, 1, apply_patches=False, timeout=2)
     assert time.monotonic() - start < 20
+
+
+def parent_pid() -> int:
+    return os.getppid()
+
+
+def test_ranks_are_spawned_where_cuda_is_available(monkeypatch):
+    """A process forked from one that asked CUDA anything (even `torch.cuda.is_available()`, which
+    megatron-core's imports call) cannot use CUDA: with CUDA the ranks are spawned by this process,
+    on CPU they are forked from the forkserver that preloaded torch and megatron-core."""
+    assert run_distributed(parent_pid, 1, apply_patches=False) != [os.getpid()]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run_distributed(parent_pid, 1, apply_patches=False) == [os.getpid()]
