@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The checks a CPU machine cannot make, on one CUDA GPU with CUDA torch and transformers already
+# installed (no vLLM and no Transformer Engine needed: megarl builds megatron-core's local layer spec
+# without TE). Each step runs on its own; a failing one does not stop the others.
+#
+#   bash scripts/gpu_check.sh            # from the repository root, ~3-5 min on an H100/H200
+#
+# megarl is used from the checkout (PYTHONPATH), not installed. Wheels in .whl/ (for a machine without
+# network: megatron-core's, and omegaconf's, which megarl.plan's package imports) are installed into
+# /tmp/site first:
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 omegaconf==2.4.0
+# On an H200 (2026-11-26) step 2 printed MFU 26.5% vs transformers' 28.4%, log-probs as close to
+# transformers' float32 ones as its bf16 ones, and a 38.6 GiB peak against 40.6 GiB predicted.
+# What it runs:
+#   1. benchmarks/train_step.py --quick: the actor's update on CUDA at all (NCCL, bf16, local spec);
+#   2. the same at ~1.5 B parameters (Llama-3 vocabulary): tokens/s and MFU against transformers +
+#      AdamW on the same rows, log-prob parity with transformers, and the first update's peak memory
+#      against what `megarl plan` predicts for it;
+#   3. benchmarks/logprob_memory.py on CUDA: the chunked vocab-parallel log-prob's peak memory and time
+#      against the plain log_softmax + gather.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+step() {
+    echo "== $*"
+    local start=$SECONDS
+    timeout 600 "$@" || { echo "!! exit $? after $((SECONDS - start)) s: $*"; status=1; }
+    echo "-- $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)"
+step "$PY" benchmarks/train_step.py --quick
+step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --vocab 128256 \
+    --rows 16 --prompt 256 --response 768 --micro-batch-tokens 8192 --steps 3 --threads 8
+step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
+exit $status
