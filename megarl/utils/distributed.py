@@ -13,9 +13,10 @@ failed) are killed.
 `fn` must be importable by name in a fresh process: define it at module top level, not as a
 lambda or closure. With forkserver, env variables a module reads at import time are those of the
 first call (the server preloads torch and megatron.core once); use start_method="spawn" otherwise.
-With CUDA the default is "spawn": a process forked from one that has initialised CUDA cannot use it
-("Cannot re-initialize CUDA in forked subprocess"), and importing the preloaded modules initialises
-CUDA on a GPU machine (seen on an H200: every rank failed in `torch.cuda.set_device`).
+With CUDA the default is "spawn": a process forked from one that has asked CUDA anything cannot use it
+("Cannot re-initialize CUDA in forked subprocess"), and importing megatron.core in the forkserver asks
+(`torch.cuda.is_available()` in its dist_checkpointing, which poisons fork; seen on an H200: every
+forked rank failed in `torch.cuda.set_device`).
 
 Owns: process launch, rendezvous, result/exception transport. Must not import megatron at module
 level (apply_cpu_patches imports it inside the ranks).
