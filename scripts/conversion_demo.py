@@ -2,10 +2,11 @@
 """Conversion + parity demo: a tiny Qwen2 model goes HF → megatron-core (TP2×PP2) → HF, exactly.
 
     python scripts/conversion_demo.py --out runs/quickstart
+    python scripts/conversion_demo.py --out /tmp/demo --tp 1 --pp 1     # one GPU (scripts/gpu_check.sh)
 
 Steps, each printed: build a tiny Qwen2 from a config (no download) and save it; check megatron
-logits against transformers at TP2×PP2; convert to a megatron distributed checkpoint at TP2×PP2;
-convert back at TP1; compare every tensor bit for bit.
+logits against transformers at TP2×PP2 (--tp/--pp); convert to a megatron distributed checkpoint at
+that layout; convert back at TP1; compare every tensor bit for bit. One rank per GPU with CUDA.
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ def _tensors(path: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/quickstart")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    layout = ParallelLayout(tp=2, pp=2)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp)
     start = time.perf_counter()
 
     print(f"[1/4] tiny Qwen2 (2 layers, hidden 64, tied embeddings) → {out / 'hf'}")
     save_tiny_hf_model("qwen2", out / "hf")
-    print(f"[2/4] parity megatron-core (tp=2, pp=2) vs transformers: {check_parity(out / 'hf', layout)}")
+    print(
+        f"[2/4] parity megatron-core (tp={args.tp}, pp={args.pp}) vs transformers: {check_parity(out / 'hf', layout)}"
+    )
     meta = hf_to_mcore(out / "hf", out / "mcore", layout)
     print(f"[3/4] HF → megatron-core distributed checkpoint {out / 'mcore'} ({meta['model_type']}, {meta['dtype']})")
     mcore_to_hf(out / "mcore", out / "hf_roundtrip")

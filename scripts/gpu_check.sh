@@ -11,14 +11,17 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 omegaconf==2.4.0
 # On an H200 (2026-11-26) step 2 printed MFU 26.5% vs transformers' 28.4%, log-probs as close to
-# transformers' float32 ones as its bf16 ones, and a 38.6 GiB peak against 40.6 GiB predicted.
+# transformers' float32 ones as its bf16 ones, and a 38.6 GiB peak against 40.6 GiB predicted; step 4
+# logit parity 1.8e-7 and a bit-exact round trip.
 # What it runs:
 #   1. benchmarks/train_step.py --quick: the actor's update on CUDA at all (NCCL, bf16, local spec);
 #   2. the same at ~1.5 B parameters (Llama-3 vocabulary): tokens/s and MFU against transformers +
 #      AdamW on the same rows, log-prob parity with transformers, and the first update's peak memory
 #      against what `megarl plan` predicts for it;
 #   3. benchmarks/logprob_memory.py on CUDA: the chunked vocab-parallel log-prob's peak memory and time
-#      against the plain log_softmax + gather.
+#      against the plain log_softmax + gather;
+#   4. scripts/conversion_demo.py at TP1: logit parity with transformers (float32) of a model built on the
+#      GPU, HF -> megatron-core distributed checkpoint -> HF, bit for bit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,4 +43,5 @@ step "$PY" benchmarks/train_step.py --quick
 step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --vocab 128256 \
     --rows 16 --prompt 256 --response 768 --micro-batch-tokens 8192 --steps 3 --threads 8
 step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
+step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
 exit $status

@@ -38,16 +38,19 @@ def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> Optiona
     """Full-vocabulary logits [b, s, vocab] on the last pipeline stage (None on other stages).
 
     Each row is one micro-batch, so interleaved (virtual) pipelines get the >= PP micro-batches they need.
+    The tokens go to the model's device (a GPU model is built on the current CUDA device); the logits
+    come back on the CPU.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq).unsqueeze(0)
+    device = next(chunks[0].parameters()).device
+    position_ids = torch.arange(seq, device=device).unsqueeze(0)
 
     def forward_step(data_iterator, model):
-        return model(next(data_iterator), position_ids, None), None
+        return model(next(data_iterator).to(device), position_ids, None), None
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
@@ -61,7 +64,7 @@ def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> Optiona
         )
     if not ps.is_pipeline_last_stage():
         return None
-    return torch.cat([gather_from_tensor_model_parallel_region(out) for out in outputs])[..., :vocab_size]
+    return torch.cat([gather_from_tensor_model_parallel_region(out) for out in outputs])[..., :vocab_size].cpu()
 
 
 def hf_logits(hf_path, input_ids: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,8 @@ def build_model_chunks(
     pg_collection=None,
     vocab_divisible_by: int = 128,
 ) -> list[torch.nn.Module]:
-    """One GPTModel per virtual stage of pipeline rank `pp_rank` (a list of length vpp)."""
+    """One GPTModel per virtual stage of pipeline rank `pp_rank` (a list of length vpp), on the current CUDA
+    device where there is one."""
     from megatron.core.models.gpt import GPTModel
 
     vpp = config.virtual_pipeline_model_parallel_size or 1
@@ -190,6 +191,8 @@ def build_model_chunks(
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
         if value_head and model.post_process:
             model.output_layer = ValueHead(config)
+        if torch.cuda.is_available():  # as Megatron-LM's get_model: modules megatron does not place itself
+            model.cuda(torch.cuda.current_device())  # (torch norms of the local spec, the value head) too
         chunks.append(model)
     return chunks
 
