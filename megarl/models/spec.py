@@ -191,10 +191,22 @@ def build_model_chunks(
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
         if value_head and model.post_process:
             model.output_layer = ValueHead(config)
+        _norms_in_params_dtype(model, config.params_dtype)
         if torch.cuda.is_available():  # as Megatron-LM's get_model: modules megatron does not place itself
             model.cuda(torch.cuda.current_device())  # (torch norms of the local spec, the value head) too
         chunks.append(model)
     return chunks
+
+
+def _norms_in_params_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The local spec's norms (`WrappedTorchNorm`: torch's RMSNorm / LayerNorm) are created in float32
+    whatever `params_dtype` is. In a bf16 model torch then cannot use its fused norm ("Mismatch dtype
+    between input and weight ... Cannot dispatch to fused implementation") and falls back to the composite
+    one. Megatron-LM casts the whole model (`Float16Module`); only the norms are cast here, so buffers kept
+    in float32 on purpose (MoE router state) stay so. TE's norms take `params_dtype` themselves."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
 
 
 def layer_offset(config, pp_rank: int, vp_stage: Optional[int]) -> int:

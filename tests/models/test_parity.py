@@ -34,3 +34,29 @@ def test_llama3_rope_scaling_changes_frequencies(tiny_models):
     plain = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     assert inv_freq is not None and not torch.allclose(inv_freq, plain)
     assert hf_rope_inv_freq(AutoConfig.from_pretrained(tiny_models["llama"])) is None
+
+
+def bf16_parameter_dtypes_and_warnings(hf_path):
+    import warnings
+
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.runtime import init_megatron
+
+    init_megatron(ParallelLayout())
+    chunk = ModelBridge.from_hf_path(hf_path, ParallelLayout(), dtype=torch.bfloat16).build(0)[0]
+    dtypes = {name: p.dtype for name, p in chunk.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chunk(torch.randint(0, 90, (1, 8)), torch.arange(8).unsqueeze(0), None)
+    return dtypes, [str(w.message) for w in caught]
+
+
+def test_a_bf16_model_holds_every_parameter_in_bf16(tiny_models):
+    """The local spec's torch norms are created in float32; left so, torch falls back from its fused
+    norm on every call of a bf16 model (found on an H200) and they would train and sync as float32."""
+    from megarl.testing.dist import run_distributed
+
+    dtypes, warnings = run_distributed(bf16_parameter_dtypes_and_warnings, 1, str(tiny_models["qwen3"]))[0]
+    assert any("layernorm" in name for name in dtypes)  # qwen3: input, pre-MLP and q/k norms
+    assert {name: d for name, d in dtypes.items() if d != torch.bfloat16} == {}
+    assert not [w for w in warnings if "Mismatch dtype" in w], warnings
