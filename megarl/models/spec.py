@@ -125,11 +125,19 @@ def layer_spec(dims: ModelDims):
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar head for critic / reward model: hidden [s, b, h] → values [s, b, 1] (replicated over TP)."""
+    """Scalar head for critic / reward model: hidden [s, b, h] → values [s, b, 1] (replicated over TP).
 
-    def __init__(self, config):
+    Under sequence parallelism each TP rank holds s/tp of the hidden states: they are gathered over
+    `tp_group` (the role's; None: megatron's global one, which only the SPMD tools initialise), and the
+    backward hands each rank its own slice of the gradient. Not summed over TP: every rank computes the
+    same values and loss from the whole sequence, so a sum (megatron's default reduce-scatter, meant for
+    vocab-parallel heads) would make the backbone's gradient tp times too large.
+    """
+
+    def __init__(self, config, tp_group=None):
         super().__init__()
         self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
         torch.nn.init.normal_(self.weight, std=config.init_method_std)
 
@@ -137,7 +145,9 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core import tensor_parallel
 
-            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return F.linear(hidden_states, self.weight), None
 
 
@@ -190,7 +200,7 @@ def build_model_chunks(
         if inv_freq is not None:
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
         if value_head and model.post_process:
-            model.output_layer = ValueHead(config)
+            model.output_layer = ValueHead(config, pg_collection.tp if pg_collection is not None else None)
         _norms_in_params_dtype(model, config.params_dtype)
         if torch.cuda.is_available():  # as Megatron-LM's get_model: modules megatron does not place itself
             model.cuda(torch.cuda.current_device())  # (torch norms of the local spec, the value head) too

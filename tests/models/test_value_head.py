@@ -53,3 +53,42 @@ def test_reward_model_values_match_transformers_score_head_at_tp1_and_tp2(reward
 def test_critic_from_a_causal_lm_checkpoint_starts_with_a_fresh_head(tiny_models):
     values = run_distributed(values_rank, 1, str(tiny_models["qwen2"]), 1, torch.ones(1, 5, dtype=torch.long))[0]
     assert values.shape == (1, 5) and torch.isfinite(values).all()
+
+
+def sequence_parallel_head_rank(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor):
+    """Per rank: the head under sequence parallelism on this rank's half of the sequence, with the role's
+    TP group passed explicitly (megatron's global groups are never initialised in megarl's engines)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megarl.models.spec import ValueHead
+
+    tp_group = dist.new_group([0, 1])
+    config = SimpleNamespace(
+        sequence_parallel=True, hidden_size=hidden.shape[-1], params_dtype=torch.float32, init_method_std=0.02
+    )
+    head = ValueHead(config, tp_group)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    rank, half = dist.get_rank(), hidden.shape[0] // 2
+    mine = hidden[rank * half : (rank + 1) * half].clone().requires_grad_()
+    values, _ = head(mine)
+    ((values.squeeze(-1) - target) ** 2).mean().backward()  # each rank: the loss of the whole sequence
+    return values.detach(), mine.grad, head.weight.grad
+
+
+def test_a_sequence_parallel_value_head_gathers_over_its_group_and_does_not_sum_gradients_over_tp():
+    """Every TP rank computes the same values and loss from the gathered sequence: the backbone's
+    gradient is that loss's gradient, sliced per rank (a sum over TP, megatron's default for the
+    vocab-parallel output layer, would double it at TP2)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight, target = torch.randn(6, 2, 8, generator=gen), torch.randn(1, 8, generator=gen), torch.randn(6, 2)
+    ref_hidden, ref_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = torch.nn.functional.linear(ref_hidden, ref_weight)
+    ((expected.squeeze(-1) - target) ** 2).mean().backward()
+    results = run_distributed(sequence_parallel_head_rank, 2, hidden, weight, target)
+    for rank, (values, hidden_grad, weight_grad) in enumerate(results):
+        torch.testing.assert_close(values, expected.detach())
+        torch.testing.assert_close(hidden_grad, ref_hidden.grad[rank * 3 : (rank + 1) * 3])
+        torch.testing.assert_close(weight_grad, ref_weight.grad)  # the same on every rank: no TP reduction
