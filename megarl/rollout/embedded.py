@@ -71,6 +71,8 @@ class EmbeddedEngine(RolloutEngine):
 
         self.model_path = str(model_path)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # sampling runs in a thread of its own,
+            self.device = torch.device("cuda", torch.cuda.current_device())  # whose current device is 0
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
         self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
@@ -92,12 +94,14 @@ class EmbeddedEngine(RolloutEngine):
         """On GPU, move weights to CPU; on CPU there is nothing to free (a flag only)."""
         if self.device.type == "cuda":
             self.model.to("cpu")
+            self._params = checkpoint_params(self.model)  # `to` gives parameters new storage: fresh expert views
             torch.cuda.empty_cache()
         super().sleep()
 
     def wake_up(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
+            self._params = checkpoint_params(self.model)
         super().wake_up()
 
     # -- requests (engine loop) -------------------------------------------------------------

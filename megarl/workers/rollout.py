@@ -137,6 +137,10 @@ class Rollout:
 
     def wake_up(self) -> None:
         if self.engine is not None:
+            import torch
+
+            if torch.cuda.is_available():  # the training phases' cached blocks go back to the driver, so
+                torch.cuda.empty_cache()  # the engine (another process: vLLM's core) can take them again
             self.engine.wake_up()
 
 
