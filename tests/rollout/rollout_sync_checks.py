@@ -264,3 +264,24 @@ def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
                 on_update(step)
         assert receiver.receive_update() is None  # the sender closed the group
         return future.result()
+
+
+def tp_peer_engines_rank(actor_path, engine_path):
+    """A TP2 actor whose two TP ranks each host an engine (two TP1 engines, as `workers.rollout` places
+    them for `rollout.tp=1`): every sharded bucket goes both ways between the two ranks. After a sync and
+    a perturbed re-sync: does this rank's engine hold the bridge's reference export bit for bit?"""
+    from megarl.models.layout import ParallelLayout
+    from megarl.rollout.sharding.manager import ShardingManager
+    from megarl.rollout.sharding.senders import sender_for
+
+    bridge, chunks = build_actor(actor_path, ParallelLayout(tp=2))
+    manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10, rollout_ranks=[0, 1])
+    engine = _make_engine("embedded", engine_path)
+    manager.sync(sender_for(engine), version=1)
+    perturb_layers(chunks)
+    manager.sync(sender_for(engine), version=2)
+    reference = reference_export(bridge, chunks)
+    exact = set(reference) == set(engine._params) and all(
+        torch.equal(engine._params[n], t) for n, t in reference.items()
+    )
+    return exact, engine.version, len(manager.plan.buckets)

@@ -38,3 +38,15 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
     check_sync(rollout["snaps"], last["actor"], rollout["weights"], rollout_models[arch], ATOL)
     assert rollout["engine_equals_reference"]  # bit-exact against the bridge's simple export
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
+
+
+def test_two_tp_peer_engines_each_get_the_actor_bit_for_bit(rollout_models):
+    """Both TP ranks are rollout ranks, so each sends its shards to the other and receives the other's
+    (the exchange that must be posted as one batch on NCCL; gloo runs it either way)."""
+    from rollout_sync_checks import tp_peer_engines_rank
+
+    results = run_distributed(
+        tp_peer_engines_rank, 2, str(rollout_models["llama"]), str(rollout_models["llama_other"]), timeout=240
+    )
+    assert [r[:2] for r in results] == [(True, 2), (True, 2)]
+    assert results[0][2] > 3  # several buckets, so receives run ahead of the bucket being unpacked

@@ -33,8 +33,8 @@ from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, stream_b
 class TrainGroups:
     """Process groups of one model replica of the training layout (TP × PP, × EP for MoE).
 
-    The transport moves bytes point to point on the default group (global ranks); `mp_group`
-    carries the one metadata exchange and the agreement before an update. `tp_group` is kept
+    The transport moves bytes point to point within `mp_group` (peers named by global rank), which
+    also carries the one metadata exchange and the agreement before an update. `tp_group` is kept
     for callers and for collective transports; the point-to-point transport does not use it.
     Context-parallel ranks hold the same weights as their CP peers (like DP ranks): every (DP, CP)
     index is a replica of its own, and its TP × PP group is all a sync needs.
@@ -212,6 +212,7 @@ class ShardingManager:
                 shared=shared,
                 kept=kept,
                 buffers=buffers,
+                group=self.groups.mp_group,
             ):
                 out = None
                 if not bucket.arrives_flat:

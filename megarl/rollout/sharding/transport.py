@@ -6,9 +6,14 @@ every TP rank of the owning stage packs its shards into ONE flat buffer and send
 point, to each rollout rank (a replicated bucket is sent by the stage's first TP rank only, packed
 in HF layout); a rollout rank receives the TP buffers straight into the rows of its gathered
 buffer — the TP gather of the whole bucket is one message per TP rank, never one per tensor, and
-no byte takes a second hop through a stage leader. Sends are non-blocking (`isend`, at most two
-buckets in flight per sender) and the rollout rank posts its receives `prefetch` buckets ahead, so
-pipeline stages pack and ship their buckets concurrently while it unpacks. gloo on CPU, NCCL on GPU.
+no byte takes a second hop through a stage leader. Each rank posts its sends and receives of a bucket
+as one batch (`batch_isend_irecv`), `prefetch` buckets ahead of the one it unpacks (at most two
+buckets' sends in flight per sender), so pipeline stages pack and ship their buckets concurrently
+while a rollout rank unpacks. gloo on CPU, NCCL on GPU. The batch matters on NCCL: where two rollout
+ranks are TP peers of one stage (an actor at TP2 with two TP1 engines), each sends its shards to the
+other and receives the other's; NCCL runs a rank's send and receive to one peer in order on one stream
+and a large send waits for the peer's receive, so posted one by one (send, then receive) both ranks
+would wait on each other's send forever. gloo buffers sends, so the CPU tests cannot see the hang.
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
@@ -103,6 +108,7 @@ def stream_buckets(
     shared: bool = False,
     kept: Optional["KeptBuffers"] = None,
     buffers: Optional["SyncBuffers"] = None,
+    group=None,
 ) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int]]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
 
@@ -111,37 +117,45 @@ def stream_buckets(
     `unpack_bucket(..., own=(row, local_params))` reads from the parameters); None otherwise.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
-    this rank's (pp, ep) (None: not a training rank).
+    this rank's (pp, ep) (None: not a training rank). `group`: the replica's process group, holding every
+    source and destination (a group with a collective behind it: NCCL creates a batch's communicator then).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
     generator is resumed; with `fresh`, the buffer of a bucket that `arrives_flat` (which becomes
     the flat bucket) is never reused within this sync (with `kept`, it is that bucket's kept
     buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory
     (CPU). `buffers`: the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
     """
-    order = list(buckets)  # the plan's transfer order; p2p messages match by (source, tag)
     buffers = buffers or SyncBuffers(prefetch, shared=shared)
-    recv_slots, send_slots = buffers.recv, buffers.send
-    sends: deque = deque()
-    posted: deque = deque()
-    to_post = iter(order) if my_rank in dest_ranks else iter(())
-    for bucket in order:
+    sends: deque = deque()  # (works, packed buffer) of this rank's last buckets sent
+    posted: deque = deque()  # this rank's receives, in the plan's order
+    for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
+        send_ops = []
         if bucket.source == my_source:
-            _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, send_slots)
+            send_ops = _send_ops(
+                bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
+            )
+        receive = None
         if my_rank in dest_ranks:
-            while len(posted) <= prefetch and (nxt := next(to_post, None)) is not None:
-                posted.append(
-                    _post_receive(
-                        nxt,
-                        local_params,
-                        dims,
-                        my_rank,
-                        stage_ranks,
-                        recv_slots,
-                        fresh=fresh and nxt.arrives_flat,
-                        kept=kept,
-                    )
-                )
-            yield _finish_receive(*posted.popleft())
+            receive = _receive_ops(
+                bucket,
+                local_params,
+                dims,
+                my_rank,
+                stage_ranks,
+                buffers.recv,
+                fresh and bucket.arrives_flat,
+                kept,
+                group,
+            )
+        works = _post(send_ops + (receive[2] if receive else []))
+        if send_ops:
+            sends.append((works[: len(send_ops)], send_ops[0].tensor))
+        if receive:
+            posted.append((*receive[:2], works[len(send_ops) :], receive[3]))
+            if len(posted) > prefetch:
+                yield _finish_receive(*posted.popleft())
+    while posted:
+        yield _finish_receive(*posted.popleft())
     for works, _ in sends:
         for work in works:
             work.wait()
@@ -229,29 +243,29 @@ def _sources(bucket: Bucket, stage_ranks) -> list[int]:
     return list(stage) if bucket.sharded else [stage[0]]
 
 
-def _send_bucket(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends: deque, slots: BufferRing) -> None:
-    """Pack this rank's shards and isend them to every other rollout rank (at most 2 buckets in flight)."""
+def _send_ops(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends: deque, slots: BufferRing, group):
+    """Pack this rank's shards; the sends of them to every other rollout rank (at most 2 buckets in flight)."""
     import torch.distributed as dist
 
     if my_rank not in _sources(bucket, stage_ranks):
-        return
+        return []
     targets = [d for d in dest_ranks if d != my_rank]
     if not targets:
-        return
+        return []
     while len(sends) >= 2:  # the oldest buffer is about to be reused
         for work in sends.popleft()[0]:
             work.wait()
     buf = pack_bucket(
         bucket, local_params, dims, slots.take(bucket.local_numel, bucket.dtype, _device_of(bucket, local_params))
     )
-    sends.append(([dist.isend(buf, dst=d, tag=bucket.index) for d in targets], buf))
+    return [dist.P2POp(dist.isend, buf, d, group, tag=bucket.index) for d in targets]
 
 
-def _post_receive(
-    bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers] = None
+def _receive_ops(
+    bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers], group
 ):
-    """Take a gathered buffer [rows, local_numel]; irecv every remote row; pack our own only when the
-    buffer is the flat bucket (`Bucket.arrives_flat`); otherwise our own row stays unwritten."""
+    """(bucket, gathered buffer [rows, local_numel], receives of every remote row, own row); our own row
+    is packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -263,15 +277,25 @@ def _post_receive(
         else slots.take(numel, bucket.dtype, device, fresh=fresh)
     )
     gathered = flat.view(len(sources), -1)
-    works, own_row = [], None
+    ops, own_row = [], None
     for row, src in enumerate(sources):
         if src != my_rank:
-            works.append(dist.irecv(gathered[row], src=src, tag=bucket.index))
+            ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
         elif not bucket.arrives_flat:
             own_row = row
         else:
             pack_bucket(bucket, local_params, dims, out=gathered[row])
-    return bucket, gathered, works, own_row
+    return bucket, gathered, ops, own_row
+
+
+def _post(ops: list) -> list:
+    """Post a bucket's sends and receives of this rank as one batch; their works, in the same order."""
+    import torch.distributed as dist
+
+    if not ops:
+        return []
+    works = dist.batch_isend_irecv(ops)
+    return works if len(works) == len(ops) else works * len(ops)  # NCCL: one work for the coalesced batch
 
 
 def _finish_receive(bucket, gathered, works, own_row):
