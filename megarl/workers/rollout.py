@@ -44,7 +44,10 @@ def engine_spec(cfg) -> tuple[str, dict]:
 
     ro = cfg.rollout
     backend = rollout_backend(ro.engine)
-    dtype = resolve_dtype(cfg.actor.dtype if ro.dtype == "auto" else ro.dtype)
+    name = cfg.actor.dtype if ro.dtype == "auto" else ro.dtype
+    if name == "auto":  # as the actor's workers resolve it; the caller may be a driver without a GPU (server mode)
+        name = "bfloat16" if cfg.resources.accelerator == "gpu" else "float32"
+    dtype = resolve_dtype(name)
     if backend == "embedded":
         return backend, {"dtype": dtype, "device": "cuda" if cfg.resources.accelerator == "gpu" else "cpu"}
     kwargs = dict(
@@ -74,6 +77,9 @@ class Rollout:
         self.rank = dist.get_rank()
         hosts = engine_ranks(dist.get_world_size(), ro.tp)
         self.engine = None
+        if cfg.resources.accelerator == "gpu":  # vLLM counts what the trainers cached (offloaded roles
+            self.release_cached_memory()  # too) as used at its start, on every GPU of an engine:
+            dist.barrier()  # all ranks release before any engine starts
         if self.rank in hosts:
             backend, kwargs = engine_spec(cfg)
             if backend == "vllm" and cfg.resources.accelerator == "gpu":
@@ -135,12 +141,17 @@ class Rollout:
         if self.engine is not None:
             self.engine.sleep()
 
+    def release_cached_memory(self) -> None:
+        """Give the CUDA blocks this process's training phases cached back to the driver, so an engine
+        (vLLM's core and TP workers: other processes, on this rank's GPU too at rollout TP > 1) can take
+        them. Every rank calls it before the engines wake (`ColocatedEngines.wake_up`), as verl does."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def wake_up(self) -> None:
         if self.engine is not None:
-            import torch
-
-            if torch.cuda.is_available():  # the training phases' cached blocks go back to the driver, so
-                torch.cuda.empty_cache()  # the engine (another process: vLLM's core) can take them again
             self.engine.wake_up()
 
 

@@ -47,8 +47,24 @@ def test_cpu_engines_sleep_as_a_driver_flag_and_refuse_to_generate_meanwhile():
     assert not cpu.sleeping
 
 
-def test_gpu_engines_sleep_on_every_worker():
+def test_gpu_engines_sleep_on_every_worker_and_every_rank_releases_its_cache_before_any_wakes():
+    """An engine at rollout TP > 1 wakes on its neighbours' GPUs too: every rank's cached CUDA blocks
+    must be back with the driver (a finished call on every rank) before the first engine wakes."""
     gpu, group = engines("gpu")
     with gpu.asleep():
         assert gpu.sleeping
-    assert group.calls[1:] == ["rollout.sleep", "rollout.wake_up"]
+    assert group.calls[1:] == ["rollout.sleep", "rollout.release_cached_memory", "rollout.wake_up"]
+
+
+@pytest.mark.parametrize("accelerator,dtype", [("gpu", "bfloat16"), ("cpu", "float32")])
+def test_engine_dtype_auto_follows_the_runs_accelerator_not_the_callers_machine(accelerator, dtype):
+    """Server mode builds the engines' arguments on the driver, which may have no GPU: "auto" must give
+    the dtype the actor's GPU workers train in (bf16), not the driver's CPU default (float32)."""
+    from megarl.workers.rollout import engine_spec
+
+    cfg = load_config(
+        "configs/grpo_quickstart.yaml",
+        [f"resources.accelerator={accelerator}", "actor.dtype=auto", "rollout.dtype=auto", "rollout.engine=embedded"],
+    )
+    backend, kwargs = engine_spec(cfg)
+    assert backend == "embedded" and str(kwargs["dtype"]) == f"torch.{dtype}"

@@ -440,3 +440,17 @@ def test_a_cpu_engine_loads_updates_into_plain_weights_in_place(monkeypatch, rol
         assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2"])
     finally:
         engine.shutdown()
+
+
+def test_a_vllm_without_the_weight_version_api_is_refused_before_an_engine_starts(monkeypatch, tmp_path):
+    """vLLM releases before vllm-project/vllm#49040 (e.g. 0.19, once the Docker image's default) lack it:
+    the engine must say so at once, naming the fix, not fail after its core process started."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    for cls in AsyncLLM.__mro__:  # as in a vLLM before it: neither AsyncLLM nor its EngineClient base has it
+        if "update_weight_version" in vars(cls):
+            monkeypatch.delattr(cls, "update_weight_version")
+    with pytest.raises(RuntimeError, match=r"no AsyncLLM\.update_weight_version.*vllm-project/vllm#49040"):
+        VLLMEngine(tmp_path / "no-model-needed")
