@@ -98,6 +98,23 @@ def test_ray_sbatch_starts_head_then_workers_then_the_driver(stubs, tmp_path):
         subprocess.run(["bash", "-n", "-c", command], check=True)
 
 
+def test_ray_sbatch_in_a_container_runs_the_join_check_and_the_driver_in_the_head_nodes_container(stubs, tmp_path):
+    """With MEGARL_CONTAINER, ray and megarl exist only in the image: the join check and the driver must run
+    through srun on the head node, in the same named container as its raylet (Ray's sockets are in its /tmp)."""
+    env, log = stubs
+    env.update(SLURM_JOB_NODELIST="gpu-[a-c]", SLURM_JOB_ID="42", MEGARL_CONTAINER="registry/megarl:1")
+    subprocess.run(["bash", str(RAY_SBATCH), "cfg.yaml"], env=env, check=True, cwd=tmp_path, timeout=60)
+    lines = log.read_text().splitlines()
+    container = "--container-image=registry/megarl:1 --container-name=megarl-42"
+    srun_lines = [ln for ln in lines if ln.startswith("srun ")]
+    assert srun_lines and all(container in ln for ln in srun_lines)
+    check = [ln for ln in srun_lines if "import ray" in ln]
+    driver = [ln for ln in srun_lines if "megarl-driver" in ln]
+    assert check and all("-w gpu-a" in ln for ln in check)
+    assert len(driver) == 1 and "-w gpu-a" in driver[0]
+    assert any(ln.startswith("megarl train --config cfg.yaml resources.nodes=3") for ln in lines)
+
+
 def test_ray_sbatch_fails_when_nodes_do_not_join(stubs, tmp_path):
     env, log = stubs
     env.update(SLURM_JOB_NODELIST="gpu-[a-c]", MEGARL_JOIN_TIMEOUT="0")
