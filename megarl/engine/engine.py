@@ -41,10 +41,11 @@ Head = Callable[[torch.Tensor, MicroBatch], dict]
 LossFn = Callable[[dict, MicroBatch], tuple]
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' is bfloat16 on a GPU and float32 on CPU."""
+def resolve_dtype(name: str, on_gpu: Optional[bool] = None) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU and float32 on CPU; `on_gpu` None: whether this process has CUDA (pass
+    the run's accelerator where the caller may not run where the model does, e.g. a server-mode driver)."""
     if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if (torch.cuda.is_available() if on_gpu is None else on_gpu) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 

@@ -44,10 +44,8 @@ def engine_spec(cfg) -> tuple[str, dict]:
 
     ro = cfg.rollout
     backend = rollout_backend(ro.engine)
-    name = cfg.actor.dtype if ro.dtype == "auto" else ro.dtype
-    if name == "auto":  # as the actor's workers resolve it; the caller may be a driver without a GPU (server mode)
-        name = "bfloat16" if cfg.resources.accelerator == "gpu" else "float32"
-    dtype = resolve_dtype(name)
+    # by the run's accelerator, as the actor's workers resolve it: the caller may be a GPU-less driver (server mode)
+    dtype = resolve_dtype(cfg.actor.dtype if ro.dtype == "auto" else ro.dtype, cfg.resources.accelerator == "gpu")
     if backend == "embedded":
         return backend, {"dtype": dtype, "device": "cuda" if cfg.resources.accelerator == "gpu" else "cpu"}
     kwargs = dict(

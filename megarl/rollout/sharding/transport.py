@@ -128,15 +128,16 @@ def stream_buckets(
     buffers = buffers or SyncBuffers(prefetch, shared=shared)
     sends: deque = deque()  # (works, packed buffer) of this rank's last buckets sent
     posted: deque = deque()  # this rank's receives, in the plan's order
+    receiving = my_rank in dest_ranks
     for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
         send_ops = []
         if bucket.source == my_source:
             send_ops = _send_ops(
                 bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
             )
-        receive = None
-        if my_rank in dest_ranks:
-            receive = _receive_ops(
+        gathered, recv_ops, own_row = None, [], None
+        if receiving:
+            gathered, recv_ops, own_row = _receive_ops(
                 bucket,
                 local_params,
                 dims,
@@ -147,11 +148,11 @@ def stream_buckets(
                 kept,
                 group,
             )
-        works = _post(send_ops + (receive[2] if receive else []))
+        works = _post(send_ops + recv_ops)
         if send_ops:
             sends.append((works[: len(send_ops)], send_ops[0].tensor))
-        if receive:
-            posted.append((*receive[:2], works[len(send_ops) :], receive[3]))
+        if receiving:
+            posted.append((bucket, gathered, works[len(send_ops) :], own_row))
             if len(posted) > prefetch:
                 yield _finish_receive(*posted.popleft())
     while posted:
@@ -264,8 +265,8 @@ def _send_ops(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, send
 def _receive_ops(
     bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers], group
 ):
-    """(bucket, gathered buffer [rows, local_numel], receives of every remote row, own row); our own row
-    is packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten."""
+    """(gathered buffer [rows, local_numel], receives of every remote row, own row); our own row is
+    packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -285,7 +286,7 @@ def _receive_ops(
             own_row = row
         else:
             pack_bucket(bucket, local_params, dims, out=gathered[row])
-    return bucket, gathered, ops, own_row
+    return gathered, ops, own_row
 
 
 def _post(ops: list) -> list:
