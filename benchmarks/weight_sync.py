@@ -146,17 +146,21 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     fast = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20))
     fresh_shm = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20), keep_shared_buffers=False)
     per_param = ShardingManager(bridge, chunks, bucket_bytes=1)
+    gloo = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20), host_shm=False)
     total = fast.plan.total_bytes
     hf_bytes = sum(torch.Size(s.shape).numel() * 4 for s in fast.hf_specs())
 
     rss_before = _max_rss_mb()
     _consume(fast)()  # first sync: how far does rank 0's peak memory grow?
     rss_growth = _max_rss_mb() - rss_before
-    check = _check_against_reference(fast, bridge, chunks, pp_rank)
+    checks = [_check_against_reference(m, bridge, chunks, pp_rank) for m in (fast, gloo)]  # every rank runs both
+    check = all(checks)
     engines = make_engines(hf_dir, port, use_vllm, fast.bucket_bytes) if rank == 0 else {}
     paths = {
         "gather": _consume(fast),
+        "gather-gloo": _consume(gloo),
         "in-process": lambda: sync_in_process(fast, engines.get("in-process")),
+        "in-process-gloo": lambda: sync_in_process(gloo, engines.get("in-process")),
         "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast")),
         "broadcast-unverified": lambda: sync_broadcast(fast, engines.get("broadcast"), verify=False),
     }
@@ -320,6 +324,10 @@ def report(result, bucket_mb: float) -> None:
         + "   ".join(
             f"{name} {1 - t[name + '-unverified'] / t[name]:+.1%}" for name in ("ipc", "broadcast") if name in t
         )
+    )
+    print(
+        f"same-host shared memory vs gloo messages (`ShardingManager(host_shm=False)`): gather"
+        f" {t['gather-gloo'] / t['gather']:.2f}x   in-process {t['in-process-gloo'] / t['in-process']:.2f}x"
     )
     print(
         f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"

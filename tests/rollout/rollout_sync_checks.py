@@ -122,16 +122,17 @@ def check_sync(snaps, actor, weights, actor_path, atol):
         assert all(len(c.logprobs) == len(c.token_ids) == GREEDY["max_tokens"] for c in completions)
 
 
-def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="embedded"):
-    """Every rank of the actor; the rollout rank hosts the engine (colocated). Sync, perturb, sync, sync."""
+def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="embedded", host_shm=True):
+    """Every rank of the actor; the rollout rank hosts the engine (colocated). Sync, perturb, sync, sync.
+    host_shm: senders write into the rollout rank's shared memory (False: gloo messages)."""
     from megarl.rollout.sharding.manager import ShardingManager
     from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, layout)
-    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10, host_shm=host_shm)
     engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
     sender = sender_for(engine) if engine is not None else None
-    snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank}
+    snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank, "host_shm": manager.peers is not None}
 
     def snapshot(tag):
         if engine is not None:
@@ -266,16 +267,17 @@ def run_actor_and_receive(engine, actor_path, layout, steps, on_update):
         return future.result()
 
 
-def tp_peer_engines_rank(actor_path, engine_path):
+def tp_peer_engines_rank(actor_path, engine_path, host_shm=True):
     """A TP2 actor whose two TP ranks each host an engine (two TP1 engines, as `workers.rollout` places
     them for `rollout.tp=1`): every sharded bucket goes both ways between the two ranks. After a sync and
-    a perturbed re-sync: does this rank's engine hold the bridge's reference export bit for bit?"""
+    a perturbed re-sync: does this rank's engine hold the bridge's reference export bit for bit?
+    Also returns whether the ranks wrote into each other's shared memory (`host_shm`)."""
     from megarl.models.layout import ParallelLayout
     from megarl.rollout.sharding.manager import ShardingManager
     from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, ParallelLayout(tp=2))
-    manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10, rollout_ranks=[0, 1])
+    manager = ShardingManager(bridge, chunks, bucket_bytes=32 << 10, rollout_ranks=[0, 1], host_shm=host_shm)
     engine = _make_engine("embedded", engine_path)
     manager.sync(sender_for(engine), version=1)
     perturb_layers(chunks)
@@ -284,4 +286,4 @@ def tp_peer_engines_rank(actor_path, engine_path):
     exact = set(reference) == set(engine._params) and all(
         torch.equal(engine._params[n], t) for n, t in reference.items()
     )
-    return exact, engine.version, len(manager.plan.buckets)
+    return exact, engine.version, len(manager.plan.buckets), manager.peers is not None

@@ -17,11 +17,17 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    "arch,layout",
-    [("llama", ParallelLayout(tp=2, pp=2)), ("qwen3", ParallelLayout(pp=2, vpp=2))],
-    ids=["llama-tp2xpp2", "qwen3-pp2xvpp2"],
+    "arch,layout,host_shm",
+    [
+        ("llama", ParallelLayout(tp=2, pp=2), True),
+        ("llama", ParallelLayout(tp=2, pp=2), False),
+        ("qwen3", ParallelLayout(pp=2, vpp=2), True),
+    ],
+    ids=["llama-tp2xpp2", "llama-tp2xpp2-gloo", "qwen3-pp2xvpp2"],
 )
-def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
+def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout, host_shm):
+    """host_shm: the ranks (one host, CPU) write their shards into the rollout rank's shared memory;
+    otherwise (`ShardingManager(host_shm=False)`, the transport of ranks on several hosts) gloo messages."""
     results = run_distributed(
         colocated_sync_rank,
         layout.tp * layout.pp,
@@ -29,8 +35,11 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
         str(rollout_models[arch + "_other"]),
         layout,
         fixed_sequences(),
+        "embedded",
+        host_shm,
         timeout=240,
     )
+    assert all(r["host_shm"] == host_shm for r in results)
     rollout = next(r for r in results if r["rollout"])
     last = results[-1]
     assert all(r["exchanges"] == 1 for r in results)  # metadata once per model, not once per sync
@@ -40,13 +49,16 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout):
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
 
 
-def test_two_tp_peer_engines_each_get_the_actor_bit_for_bit(rollout_models):
+@pytest.mark.parametrize("host_shm", [True, False], ids=["shm", "gloo"])
+def test_two_tp_peer_engines_each_get_the_actor_bit_for_bit(rollout_models, host_shm):
     """Both TP ranks are rollout ranks, so each sends its shards to the other and receives the other's
-    (the exchange that must be posted as one batch on NCCL; gloo runs it either way)."""
+    (the exchange that must be posted as one batch on NCCL; gloo runs it either way; with shared memory
+    each rank announces its places before it waits for its peer's)."""
     from rollout_sync_checks import tp_peer_engines_rank
 
     results = run_distributed(
-        tp_peer_engines_rank, 2, str(rollout_models["llama"]), str(rollout_models["llama_other"]), timeout=240
+        tp_peer_engines_rank, 2, str(rollout_models["llama"]), str(rollout_models["llama_other"]), host_shm, timeout=240
     )
     assert [r[:2] for r in results] == [(True, 2), (True, 2)]
+    assert all(r[3] == host_shm for r in results)
     assert results[0][2] > 3  # several buckets, so receives run ahead of the bucket being unpacked

@@ -444,8 +444,6 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
     is not kept, or was replaced, crosses by handle; the worker drops mappings an update no longer uses."""
     import dataclasses
 
-    from torch.multiprocessing import reductions
-
     from megarl.rollout.sharding import ipc
 
     channel = ipc.IpcChannel(f"/tmp/megarl-test-{free_port()}.sock", b"k" * 16)
@@ -467,10 +465,10 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
 
     def counting(tensor):
         handles.append(tensor)
-        return reduce_tensor(tensor)
+        return share_handle(tensor)
 
-    reduce_tensor = reductions.reduce_tensor
-    with mock.patch.object(reductions, "reduce_tensor", counting):
+    share_handle = ipc.share_handle
+    with mock.patch.object(ipc, "share_handle", counting):
         assert [n for n, _ in channel.serve(buckets, worker)] == [n for n, _ in checkpoint]
         assert len(handles) == len(buckets) and len(worker_side["mapped"]) == len(buckets)
         conns = list(channel.conns)

@@ -26,6 +26,7 @@ import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
+from megarl.rollout.sharding.shm import ShmPeers, host_id, same_host
 from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, stream_buckets, unpack_bucket
 
 
@@ -87,6 +88,10 @@ class ShardingManager:
     model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
     On CPU the transport's reusable rings (`transport.SyncBuffers`: up to 3 × bucket_bytes on a
     rollout rank by default, 2 packed shares on a sender) are kept from sync to sync too.
+    host_shm: where every rank of the replica is a CPU process on one host, senders write their shards
+    straight into the rollout ranks' shared-memory buffers (`shm.ShmPeers`) instead of sending them
+    over gloo (used when /dev/shm has 4 × max(bucket_bytes, 256 MiB) free on every rank); False: gloo
+    messages. With CUDA the transport is always NCCL's.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class ShardingManager:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         prefetch: int = 1,
         keep_shared_buffers: bool = True,
+        host_shm: bool = True,
     ):
         import torch.distributed as dist
 
@@ -114,6 +120,8 @@ class ShardingManager:
         self._plan: Optional[SyncPlan] = None
         self.stage_ranks: dict[tuple[int, int], list[int]] = {}
         self.metadata_exchanges = 0
+        self.host_shm = host_shm
+        self.peers: Optional[ShmPeers] = None  # set by the plan: every rank of the replica on this CPU host
 
     def _local_params(self, chunks) -> dict:
         from megarl.models.spec import layer_offset
@@ -150,16 +158,20 @@ class ShardingManager:
         import torch.distributed as dist
 
         g = self.groups
-        mine = (g.source, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None)
+        # room in /dev/shm for the rings (3 buckets on a rollout rank, a bucket may exceed the bound)
+        host = None if torch.cuda.is_available() else host_id(min_free_bytes=4 * max(self.bucket_bytes, 256 << 20))
+        mine = (g.source, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None, host)
         everyone = [None] * dist.get_world_size(g.mp_group)
         dist.all_gather_object(everyone, mine, group=g.mp_group)
         self.metadata_exchanges += 1
         grid = {(pp, ep): [None] * g.tp_size for pp in range(g.pp_size) for ep in range(g.ep_size)}
         metas = []
-        for source, tp, rank, stage_metas in everyone:
+        for source, tp, rank, stage_metas, _ in everyone:
             grid[source][tp] = rank
             metas.extend(stage_metas or [])
         self.stage_ranks = grid
+        if self.host_shm and len(everyone) > 1 and same_host([e[4] for e in everyone]):
+            self.peers = ShmPeers()
         if self._rollout_ranks is None:
             self._rollout_ranks = [grid[(0, 0)][0]]
         return plan_sync(
@@ -195,7 +207,7 @@ class ShardingManager:
         plan, dims = self.plan, self.bridge.dims
         # Taken out while this sync runs (a second, overlapping iteration gets rings of its own);
         # put back only after a complete sync, and only on CPU (`SyncBuffers`).
-        buffers = self._buffers.pop(shared, None) or SyncBuffers(self.prefetch, shared=shared)
+        buffers = self._buffers.pop(shared, None) or SyncBuffers(self.prefetch, shared=shared or self.peers is not None)
         outputs = buffers.out  # the consumer is done with a bucket when it asks for the next
         kept = self.kept if fresh and shared else None
         with torch.no_grad():
@@ -213,6 +225,7 @@ class ShardingManager:
                 kept=kept,
                 buffers=buffers,
                 group=self.groups.mp_group,
+                peers=self.peers,
             ):
                 out = None
                 if not bucket.arrives_flat:
@@ -226,6 +239,8 @@ class ShardingManager:
                 yield replace(flat, kept=True) if kept is not None and kept.holds(flat.buffer) else flat
         if buffers.keepable():
             self._buffers[shared] = buffers
+        if self.peers is not None:
+            self.peers.end_sync()
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every bucket in turn; a tensor is valid until the next bucket starts

@@ -41,6 +41,7 @@ import torch
 
 from megarl.rollout.sharding.plan import Bucket
 from megarl.rollout.sharding.protocol import FlatBucket, alloc_flat
+from megarl.rollout.sharding.shm import ShmPeers
 
 
 def pack_bucket(bucket: Bucket, local_params: dict, dims, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -109,6 +110,7 @@ def stream_buckets(
     kept: Optional["KeptBuffers"] = None,
     buffers: Optional["SyncBuffers"] = None,
     group=None,
+    peers: Optional[ShmPeers] = None,
 ) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int]]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
 
@@ -124,17 +126,15 @@ def stream_buckets(
     the flat bucket) is never reused within this sync (with `kept`, it is that bucket's kept
     buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory
     (CPU). `buffers`: the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
+    `peers`: every rank of the replica is a CPU process on this host: senders write their rows
+    straight into the rollout ranks' shared-memory gathered buffers (`shm.ShmPeers`) instead of
+    sending them.
     """
-    buffers = buffers or SyncBuffers(prefetch, shared=shared)
+    buffers = buffers or SyncBuffers(prefetch, shared=shared or peers is not None)
     sends: deque = deque()  # (works, packed buffer) of this rank's last buckets sent
     posted: deque = deque()  # this rank's receives, in the plan's order
     receiving = my_rank in dest_ranks
     for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
-        send_ops = []
-        if bucket.source == my_source:
-            send_ops = _send_ops(
-                bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
-            )
         gathered, recv_ops, own_row = None, [], None
         if receiving:
             gathered, recv_ops, own_row = _receive_ops(
@@ -147,12 +147,26 @@ def stream_buckets(
                 fresh and bucket.arrives_flat,
                 kept,
                 group,
+                peers,
             )
-        works = _post(send_ops + recv_ops)
-        if send_ops:
-            sends.append((works[: len(send_ops)], send_ops[0].tensor))
+        if peers is not None:  # places first: a rank that is also a sender then waits for its receivers'
+            recv_works = _post(recv_ops)
+            if bucket.source == my_source:
+                sends.append(
+                    (_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group), None)
+                )
+        else:
+            send_ops = []
+            if bucket.source == my_source:
+                send_ops = _send_ops(
+                    bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
+                )
+            works = _post(send_ops + recv_ops)
+            if send_ops:
+                sends.append((works[: len(send_ops)], send_ops[0].tensor))
+            recv_works = works[len(send_ops) :]
         if receiving:
-            posted.append((bucket, gathered, works[len(send_ops) :], own_row))
+            posted.append((bucket, gathered, recv_works, own_row))
             if len(posted) > prefetch:
                 yield _finish_receive(*posted.popleft())
     while posted:
@@ -263,10 +277,20 @@ def _send_ops(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, send
 
 
 def _receive_ops(
-    bucket, local_params, dims, my_rank, stage_ranks, slots: BufferRing, fresh: bool, kept: Optional[KeptBuffers], group
+    bucket,
+    local_params,
+    dims,
+    my_rank,
+    stage_ranks,
+    slots: BufferRing,
+    fresh: bool,
+    kept: Optional[KeptBuffers],
+    group,
+    peers: Optional[ShmPeers] = None,
 ):
     """(gathered buffer [rows, local_numel], receives of every remote row, own row); our own row is
-    packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten."""
+    packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten.
+    With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written"."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -281,12 +305,37 @@ def _receive_ops(
     ops, own_row = [], None
     for row, src in enumerate(sources):
         if src != my_rank:
-            ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
+            if peers is None:
+                ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
+            else:
+                ops.append(dist.P2POp(dist.isend, peers.place(gathered[row]), src, group, tag=2 * bucket.index))
+                ops.append(dist.P2POp(dist.irecv, _WRITTEN.clone(), src, group, tag=2 * bucket.index + 1))
         elif not bucket.arrives_flat:
             own_row = row
         else:
             pack_bucket(bucket, local_params, dims, out=gathered[row])
     return gathered, ops, own_row
+
+
+def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> list:
+    """Same host: pack this rank's shards straight into each other rollout rank's gathered buffer, at
+    the place it sent; the "written" sends (their works)."""
+    import torch.distributed as dist
+
+    if my_rank not in _sources(bucket, stage_ranks):
+        return []
+    works = []
+    for dest in dest_ranks:
+        if dest == my_rank:
+            continue
+        place = peers.message()
+        dist.irecv(place, dest, group, tag=2 * bucket.index).wait()
+        pack_bucket(bucket, local_params, dims, out=peers.open(place, bucket.local_numel, bucket.dtype))
+        works.append(dist.isend(_WRITTEN, dest, group, tag=2 * bucket.index + 1))
+    return works
+
+
+_WRITTEN = torch.ones(1, dtype=torch.uint8)
 
 
 def _post(ops: list) -> list:
