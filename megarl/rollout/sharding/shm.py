@@ -31,13 +31,14 @@ PLACE_BYTES = 512
 
 
 def host_id(min_free_bytes: int = 0) -> Optional[str]:
-    """Names this machine (and boot): ranks with equal ids can open each other's shared memory.
+    """Names this machine, boot and /dev/shm mount: ranks with equal ids can open each other's shared
+    memory (two containers on one host have /dev/shm mounts of their own, even with the host's name).
 
     None where /dev/shm has less than `min_free_bytes` free: a container's default /dev/shm is 64 MiB,
     and touching a shared page beyond its size kills the process (SIGBUS) instead of raising.
     """
     try:
-        fs = os.statvfs("/dev/shm")
+        fs, mount = os.statvfs("/dev/shm"), os.stat("/dev/shm").st_dev
     except OSError:
         return None
     if fs.f_bavail * fs.f_frsize < min_free_bytes:
@@ -47,7 +48,7 @@ def host_id(min_free_bytes: int = 0) -> Optional[str]:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/{mount}"
 
 
 class ShmPeers:
