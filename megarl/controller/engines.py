@@ -36,7 +36,7 @@ from typing import Optional
 
 from megarl.controller.worker_group import REQUEST_CONCURRENCY, REQUEST_GROUP
 from megarl.rollout.router import DEFAULT_MAX_OUTSTANDING, EngineRouter
-from megarl.workers.rollout import Rollout, RolloutSender, engine_ranks, engine_spec
+from megarl.workers.rollout import Rollout, RolloutSender, engine_ranks, engine_specs
 
 
 def _deal(requests: list, parts: int) -> list[list]:
@@ -190,7 +190,6 @@ class EngineServers(_Engines):
 
         ro, res = cfg.rollout, cfg.resources
         self.pool, self.group, self.timeout_s = pool, actor_group, timeout_s
-        backend, kwargs = engine_spec(cfg)
         slots = pool.slots()[:: ro.tp]  # an engine's first GPU; its tp GPUs share a bundle (validated)
         options = [
             {
@@ -199,8 +198,13 @@ class EngineServers(_Engines):
             }
             for slot in slots
         ]
-        self.servers = launch_engine_servers(
-            cfg.model.hf_path, len(slots), backend=backend, actor_options=options, env=env, **kwargs
+        self.servers = launch_engine_servers(  # each server resolves rollout.engine=auto on its own node
+            cfg.model.hf_path,
+            len(slots),
+            backend=ro.engine,
+            actor_options=options,
+            env=env,
+            per_backend=engine_specs(cfg),
         )
         ray.get([server.version.remote() for server in self.servers])  # started (or their own error)
         self.group.add_role("rollout", RolloutSender, cfg)

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, WeightUpdateError
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightUpdateError", "create_engine", "vllm_available"]
+__all__ = [
+    "Completion",
+    "RolloutEngine",
+    "SamplingParams",
+    "WeightUpdateError",
+    "create_engine",
+    "resolve_backend",
+    "vllm_available",
+]
 
 
 def vllm_available() -> bool:
@@ -29,11 +37,18 @@ def vllm_available() -> bool:
     return True
 
 
-def create_engine(model_path, *, backend: str = "auto", **kwargs) -> RolloutEngine:
-    """A rollout engine for an HF model directory: vLLM wherever it imports, else the embedded one."""
+def resolve_backend(backend: str) -> str:
+    """'auto' → "vllm" where vLLM imports in this process, else "embedded"; other names as they are."""
     if backend not in ("auto", "vllm", "embedded"):
         raise ValueError(f"rollout backend {backend!r} is unknown; pick one of auto, vllm, embedded")
-    if backend == "vllm" or (backend == "auto" and vllm_available()):
+    if backend != "auto":
+        return backend
+    return "vllm" if vllm_available() else "embedded"
+
+
+def create_engine(model_path, *, backend: str = "auto", **kwargs) -> RolloutEngine:
+    """A rollout engine for an HF model directory: vLLM wherever it imports, else the embedded one."""
+    if resolve_backend(backend) == "vllm":
         from megarl.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, **kwargs)

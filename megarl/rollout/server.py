@@ -25,9 +25,17 @@ from megarl.rollout.base import Completion, SamplingParams
 class EngineServer:
     """The body of the engine actor (wrap with `ray.remote`; `launch_engine_servers` does)."""
 
-    def __init__(self, model_path: str, backend: str = "auto", **engine_kwargs):
-        from megarl.rollout import create_engine
+    def __init__(self, model_path: str, backend: str = "auto", *, per_backend: Optional[dict] = None, **engine_kwargs):
+        """per_backend: {backend: keyword arguments}; 'auto' is resolved here, in the server's process
+        (whether vLLM imports on this node), and that backend's arguments are used."""
+        from megarl.rollout import create_engine, resolve_backend
 
+        if per_backend is not None:
+            backend = resolve_backend(backend)
+            if backend not in per_backend:
+                raise ValueError(f"no engine arguments for backend {backend!r} (given: {', '.join(per_backend)})")
+            engine_kwargs = {**per_backend[backend], **engine_kwargs}
+        self.backend = backend
         self.engine = create_engine(model_path, backend=backend, **engine_kwargs)
         self._receiver = None
         self._joined = threading.Event()  # Ray may start receive_update before join_weight_group
@@ -105,12 +113,14 @@ def launch_engine_servers(
     num_gpus: float = 0,
     actor_options: Optional[Sequence[dict]] = None,
     env: Optional[dict] = None,
+    per_backend: Optional[dict] = None,
     **engine_kwargs,
 ) -> list:
     """Start `num_servers` engine actors, each with its own CPUs/GPUs (Ray must be initialised).
 
     actor_options: per server, Ray options that replace num_cpus/num_gpus (e.g. a placement-group
-    bundle from `ResourcePool.actor_options`); env: environment variables of the server processes.
+    bundle from `ResourcePool.actor_options`); env: environment variables of the server processes;
+    per_backend: {backend: engine arguments}, each server resolving `backend` ('auto') on its node.
     """
     import ray
 
@@ -120,7 +130,9 @@ def launch_engine_servers(
         raise ValueError(f"{len(options)} actor_options for {num_servers} servers")
     runtime_env = {"env_vars": dict(env)} if env else None
     return [
-        actor.options(runtime_env=runtime_env, **opts).remote(str(model_path), backend, **engine_kwargs)
+        actor.options(runtime_env=runtime_env, **opts).remote(
+            str(model_path), backend, per_backend=per_backend, **engine_kwargs
+        )
         for opts in options
     ]
 

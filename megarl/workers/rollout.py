@@ -9,7 +9,8 @@ Owns the two classes the driver composes into the actor's worker processes as ro
                     on rank 0, which broadcasts them to the engine servers over a weight group
 
 and `engine_spec(cfg)`, the one place an engine's constructor arguments come from (colocated
-engines here, engine servers in `megarl.controller.engines`). Both stamp the engines' policy version
+engines here; engine servers, which pick their backend where they run, through `engine_specs` in
+`megarl.controller.engines`). Both stamp the engines' policy version
 with the actor's optimizer step, which a resumed run restores.
 
 Imports vLLM, megatron and torch.distributed only inside the worker processes (lazily).
@@ -23,13 +24,12 @@ from typing import Optional
 from megarl.workers.base import local_role, register_local
 
 
-def rollout_backend(name: str) -> str:
-    """'auto' → vllm where it imports, else embedded."""
-    if name != "auto":
-        return name
-    from megarl.rollout import vllm_available
-
-    return "vllm" if vllm_available() else "embedded"
+def engine_specs(cfg) -> dict[str, dict]:
+    """{backend: keyword arguments} for every backend `rollout.engine` allows, for engines started in
+    other processes (engine servers), which resolve 'auto' where they run: the driver that builds
+    these may have no vLLM (a CPU head node) while the rollout nodes have it."""
+    names = ("vllm", "embedded") if cfg.rollout.engine == "auto" else (cfg.rollout.engine,)
+    return {name: engine_spec(cfg, name)[1] for name in names}
 
 
 def engine_ranks(world_size: int, rollout_tp: int) -> list[int]:
@@ -37,13 +37,18 @@ def engine_ranks(world_size: int, rollout_tp: int) -> list[int]:
     return list(range(0, world_size, rollout_tp))
 
 
-def engine_spec(cfg) -> tuple[str, dict]:
-    """(backend, keyword arguments of `megarl.rollout.create_engine`) for the run's engines."""
+def engine_spec(cfg, backend: Optional[str] = None) -> tuple[str, dict]:
+    """(backend, keyword arguments of `megarl.rollout.create_engine`) for the run's engines.
+
+    backend: None resolves `rollout.engine` in this process ('auto': vLLM where it imports here), which
+    is right only in the process that starts the engine; else the arguments for that backend.
+    """
     from megarl.config.validate import resolve_max_model_len
     from megarl.engine.engine import resolve_dtype
+    from megarl.rollout import resolve_backend
 
     ro = cfg.rollout
-    backend = rollout_backend(ro.engine)
+    backend = resolve_backend(backend or ro.engine)
     # by the run's accelerator, as the actor's workers resolve it: the caller may be a GPU-less driver (server mode)
     dtype = resolve_dtype(cfg.actor.dtype if ro.dtype == "auto" else ro.dtype, cfg.resources.accelerator == "gpu")
     if backend == "embedded":

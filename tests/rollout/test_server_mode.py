@@ -184,3 +184,26 @@ def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, 
     finally:
         ray.kill(server)
         hosts.shutdown()
+
+
+def test_an_engine_server_resolves_engine_auto_where_it_runs(rollout_models, monkeypatch):
+    """rollout.engine=auto in server mode: the driver (perhaps a CPU head node without vLLM) sends the
+    arguments of every backend and each server picks by what imports on its own node."""
+    import megarl.rollout as rollout
+    from megarl.config import load_config
+    from megarl.rollout.embedded import EmbeddedEngine
+    from megarl.rollout.server import EngineServer
+    from megarl.workers.rollout import engine_specs
+
+    cfg = load_config("configs/grpo_quickstart.yaml", ["rollout.engine=auto"])
+    specs = engine_specs(cfg)
+    assert set(specs) == {"vllm", "embedded"} and specs["vllm"]["seed"] == cfg.trainer.seed
+    assert set(engine_specs(load_config("configs/grpo_quickstart.yaml", ["rollout.engine=embedded"]))) == {"embedded"}
+
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)  # this node has no vLLM
+    server = EngineServer(str(rollout_models["qwen2"]), "auto", per_backend=specs)
+    assert server.backend == "embedded" and isinstance(server.engine, EmbeddedEngine)
+
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    with pytest.raises(ValueError, match="no engine arguments for backend 'vllm'"):
+        EngineServer(str(rollout_models["qwen2"]), "auto", per_backend={"embedded": specs["embedded"]})
