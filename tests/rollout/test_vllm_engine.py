@@ -454,3 +454,7 @@ def test_a_vllm_without_the_weight_version_api_is_refused_before_an_engine_start
             monkeypatch.delattr(cls, "update_weight_version")
     with pytest.raises(RuntimeError, match=r"no AsyncLLM\.update_weight_version.*vllm-project/vllm#49040"):
         VLLMEngine(tmp_path / "no-model-needed")
+    from megarl.rollout import resolve_backend
+
+    assert resolve_backend("auto") == "embedded"  # rollout.engine=auto takes the engine that works
+    assert resolve_backend("vllm") == "vllm"  # asked for by name: VLLMEngine's error above
