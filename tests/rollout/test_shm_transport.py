@@ -4,7 +4,7 @@ run in test_sync_embedded.py (host_shm on and off, bit for bit)."""
 import torch
 
 from megarl.rollout.sharding.protocol import alloc_flat
-from megarl.rollout.sharding.shm import ShmPeers, host_id, same_host
+from megarl.rollout.sharding.shm import KEEP_SYNCS, ShmPeers, host_id, same_host
 
 
 def test_a_place_opens_the_receivers_row_itself_not_a_copy():
@@ -18,13 +18,16 @@ def test_a_place_opens_the_receivers_row_itself_not_a_copy():
     assert again.untyped_storage().data_ptr() == row.untyped_storage().data_ptr()  # the file is opened once
 
 
-def test_a_sender_closes_the_files_a_sync_did_not_use():
+def test_a_sender_keeps_files_that_syncs_alternate_between_and_closes_retired_ones():
     receiver, sender = ShmPeers(), ShmPeers()
-    old, new = (alloc_flat(64, torch.float32, "cpu", shared=True) for _ in range(2))
-    sender.open(receiver.place(old), 64, torch.float32)
-    sender.end_sync()
-    sender.open(receiver.place(new), 64, torch.float32)  # the receiver's ring grew: a new file
-    sender.end_sync()
+    first, second = (alloc_flat(64, torch.float32, "cpu", shared=True) for _ in range(2))
+    for sync in range(KEEP_SYNCS + 2):  # two consumers' rings, used in turn: both stay open
+        sender.open(receiver.place(first if sync % 2 else second), 64, torch.float32)
+        sender.end_sync()
+        assert len(sender._opened) == (1 if sync == 0 else 2)
+    for _ in range(KEEP_SYNCS):  # `first` retired (the receiver's ring grew): closed after KEEP_SYNCS syncs
+        sender.open(receiver.place(second), 64, torch.float32)
+        sender.end_sync()
     assert len(sender._opened) == 1
 
 

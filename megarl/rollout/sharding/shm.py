@@ -13,7 +13,10 @@ once it took the buffer for that bucket, i.e. once its consumer is done with the
 bucket, so a sender never writes into memory still being read.
 
 A sender opens each receiver file once and keeps it across syncs (a fresh mapping costs page
-faults on first touch); `end_sync` drops the ones the sync did not use (a receiver's ring grew).
+faults on first touch, several times the copy itself); `end_sync` closes the ones the last `KEEP_SYNCS`
+syncs did not use (a receiver's ring grew and freed its old file). Not just the last sync: one manager
+alternates between the rings of its consumers (an engine in this process, one in another: `iter_weights`
+for an export between IPC syncs), and reopening the other's files every time cost a gather 1.7×.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from megarl.rollout.sharding.protocol import open_shm, shm_name
 
 PLACE_BYTES = 512
+KEEP_SYNCS = 4
 
 
 def host_id(min_free_bytes: int = 0) -> Optional[str]:
@@ -56,7 +60,8 @@ class ShmPeers:
 
     def __init__(self):
         self._opened: dict[bytes, torch.Tensor] = {}  # a receiver's file name → its mapping here
-        self._used: set[bytes] = set()
+        self._last_used: dict[bytes, int] = {}  # file name → the sync that last wrote into it
+        self._syncs = 0
 
     def place(self, row: torch.Tensor) -> torch.Tensor:
         """The message naming `row` (a slice of a shared CPU buffer from `protocol.alloc_flat`)."""
@@ -75,15 +80,16 @@ class ShmPeers:
         whole = self._opened.get(name)
         if whole is None:
             whole = self._opened[name] = open_shm(manager, name, nbytes)
-        self._used.add(name)
+        self._last_used[name] = self._syncs
         size = numel * torch.empty((), dtype=dtype).element_size()
         return whole[offset : offset + size].view(dtype)
 
     def end_sync(self) -> None:
-        """Close the receivers' files this sync did not write into."""
-        for name in set(self._opened) - self._used:
-            del self._opened[name]
-        self._used.clear()
+        """Close the receivers' files the last `KEEP_SYNCS` syncs did not write into."""
+        for name, last in list(self._last_used.items()):
+            if self._syncs - last >= KEEP_SYNCS:
+                del self._opened[name], self._last_used[name]
+        self._syncs += 1
 
     @staticmethod
     def message() -> torch.Tensor:
