@@ -7,9 +7,12 @@
 Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
 --repeats (times on rank 0, every rank between two barriers):
-  * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket one message
-                 per TP rank to rank 0, unshard + to_hf (QKV per group, gate/up, vocab padding
-                 dropped) into HF tensors;
+  * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket each TP rank
+                 packs its shards straight into rank 0's shared-memory buffer (all ranks are CPU
+                 processes on this host: `rollout.sharding.shm`), then unshard + to_hf (QKV per
+                 group, gate/up, vocab padding dropped) into HF tensors;
+  * gather-gloo, in-process-gloo — the same over gloo messages, one per TP rank and bucket
+                 (`ShardingManager(host_shm=False)`, the transport of ranks on several hosts);
   * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
                  engine in rank 0: the engine copies views of each bucket into its parameters;
   * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
