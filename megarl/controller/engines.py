@@ -207,6 +207,7 @@ class EngineServers(_Engines):
             per_backend=engine_specs(cfg),
         )
         ray.get([server.version.remote() for server in self.servers])  # started (or their own error)
+        _same_backend(ray.get([server.backend_name.remote() for server in self.servers]), ro.engine)
         self.group.add_role("rollout", RolloutSender, cfg)
         host, port = self.group.env[0]["MASTER_ADDR"], ray.get(self.group.workers[0].free_port.remote())
         weights_backend = "nccl" if pool.use_gpu else "gloo"
@@ -265,3 +266,14 @@ class EngineServers(_Engines):
             ray.kill(server)
         self.servers = []
         self.pool.remove()
+
+
+def _same_backend(backends: list[str], asked: str) -> None:
+    """Engine servers that resolved rollout.engine=auto on their nodes must agree (vLLM on some nodes and
+    the embedded engine on others would give one run two samplers of different numerics and speed)."""
+    if len(set(backends)) > 1:
+        where = ", ".join(f"server {i}: {b}" for i, b in enumerate(backends))
+        raise RuntimeError(
+            f"rollout.engine={asked} resolved differently on the rollout nodes ({where}): install the same vLLM"
+            " on every rollout node, or set rollout.engine=vllm (or embedded) to require one"
+        )

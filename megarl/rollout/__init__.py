@@ -53,7 +53,7 @@ def _vllm_has_engine_apis() -> bool:
 
     try:
         check_vllm_apis()
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 - also a vLLM without the v1 engine module: not usable here
         import logging
 
         logging.getLogger(__name__).warning("rollout.engine=auto uses the embedded engine: %s", err)

@@ -40,6 +40,10 @@ class EngineServer:
         self._receiver = None
         self._joined = threading.Event()  # Ray may start receive_update before join_weight_group
 
+    async def backend_name(self) -> str:
+        """The backend this server runs ('auto' resolved on its node)."""
+        return self.backend
+
     async def generate(
         self,
         prompt_token_ids: Sequence[int],

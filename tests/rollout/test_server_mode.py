@@ -207,3 +207,9 @@ def test_an_engine_server_resolves_engine_auto_where_it_runs(rollout_models, mon
     monkeypatch.setattr(rollout, "vllm_available", lambda: True)
     with pytest.raises(ValueError, match="no engine arguments for backend 'vllm'"):
         EngineServer(str(rollout_models["qwen2"]), "auto", per_backend={"embedded": specs["embedded"]})
+
+    from megarl.controller.engines import _same_backend
+
+    _same_backend(["vllm", "vllm"], "auto")
+    with pytest.raises(RuntimeError, match=r"resolved differently.*server 1: embedded.*install the same vLLM"):
+        _same_backend(["vllm", "embedded"], "auto")  # one run, two samplers: refused at start

@@ -444,6 +444,8 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
     is not kept, or was replaced, crosses by handle; the worker drops mappings an update no longer uses."""
     import dataclasses
 
+    from torch.multiprocessing import reductions
+
     from megarl.rollout.sharding import ipc
 
     channel = ipc.IpcChannel(f"/tmp/megarl-test-{free_port()}.sock", b"k" * 16)
@@ -465,10 +467,10 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
 
     def counting(tensor):
         handles.append(tensor)
-        return share_handle(tensor)
+        return reduce_tensor(tensor)
 
-    share_handle = ipc.share_handle
-    with mock.patch.object(ipc, "share_handle", counting):
+    reduce_tensor = reductions.reduce_tensor
+    with mock.patch.object(reductions, "reduce_tensor", counting):
         assert [n for n, _ in channel.serve(buckets, worker)] == [n for n, _ in checkpoint]
         assert len(handles) == len(buckets) and len(worker_side["mapped"]) == len(buckets)
         conns = list(channel.conns)

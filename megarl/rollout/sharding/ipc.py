@@ -4,9 +4,9 @@ Owns: `IpcSender` (trainer side; a `Sender`), `IpcChannel` (the sender's end, ke
 update), `receive_buckets` (the worker's end of one update), `serve_buckets` (one update over a channel
 of its own) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_extension_cls`;
 `VLLMEngine` sets it). Per `FlatBucket` the trainer sends
-`protocol.share_handle` of the memory holding the bucket's buffer as it is —
-a CUDA IPC handle on GPU (the worker opens the same memory), the name of a shared-memory file on CPU
-(the sharding manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus where the
+`torch.multiprocessing.reductions.reduce_tensor` of the memory holding the bucket's buffer as it is —
+a CUDA IPC handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the
+sharding manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus where the
 bucket lies in it, the entries (name, shape, offset) and (`verify`, on by default) its per-tensor
 checksums (`protocol.checksums`), over a `multiprocessing.connection` to every vLLM worker of the
 engine: nothing is flattened, concatenated or re-bucketed on the way, and the next bucket is
@@ -59,7 +59,6 @@ from megarl.rollout.sharding.protocol import (
     announced,
     check_bucket,
     checksums,
-    share_handle,
     verify_bucket,
 )
 from megarl.rollout.vllm_patches import apply_in_vllm_process, loads_in_place, repack_after_reload
@@ -213,6 +212,8 @@ class IpcChannel:
     def _message(self, bucket: Optional[FlatBucket], verify: bool, live: list):
         """What travels for one bucket: its buffer (a handle, or the token of a buffer the workers have
         mapped), where the bucket lies in it, its entries, device and (`verify`) checksums."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
         if bucket is None:
             return None
         sums = checksums(bucket).tolist() if verify else None
@@ -222,7 +223,8 @@ class IpcChannel:
         if known is not None and known[0]() is storage:
             handle, token = None, known[1]
         else:
-            handle, token = share_handle(buffer), (next(self._tokens) if bucket.kept else None)
+            whole = torch.empty(0, dtype=torch.uint8, device=buffer.device).set_(storage)
+            handle, token = reduce_tensor(whole), (next(self._tokens) if bucket.kept else None)
             if token is not None:
                 self.mapped[storage.data_ptr()] = (weakref.ref(storage), token)
         if token is not None:

@@ -6,7 +6,7 @@ in it, each a contiguous slice, in order), the `Sender` contract every transport
 the helpers all senders share: `bucket_tensors` (a list of HF tensors → flat buckets, the one
 bucketing of tensors that do not come from the sharding manager),
 `check_bucket` (a bucket against the announced specs), `alloc_flat` (fresh, optionally
-shared-memory buffers; `share_handle` / `open_shared` open them from another process) and the integrity check of transports that move bytes (`checksums` on the
+shared-memory buffers) and the integrity check of transports that move bytes (`checksums` on the
 trainer's side, `verify_bucket` on the engine's). Imports torch and `plan` only: no engine, no transport, no vLLM / Ray.
 
 One update, whatever the transport:
@@ -154,54 +154,16 @@ def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:
 
 
 def alloc_flat(numel: int, dtype: torch.dtype, device, *, shared: bool = False) -> torch.Tensor:
-    """A fresh flat buffer; `shared` on CPU: in shared memory (another process maps it, no copy).
-
-    Shared buffers are named shared-memory files (torch's `file_system` kind), whatever the process's
-    sharing strategy: their handle (`share_handle`) is a name any process on the host can open —
-    another trainer rank over gloo (`shm.ShmPeers`) as well as a vLLM worker. Pickling one with torch's
-    default `file_descriptor` strategy would move it into a new segment instead (peers that had opened
-    the name would write into memory nobody reads), so these buffers only travel by `share_handle`.
-    """
+    """A fresh flat buffer; `shared` on CPU: in shared memory (another process maps it, no copy)."""
     device = torch.device(device)
     if not shared or device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
+    # file-descriptor shared memory whatever the process's sharing strategy: the segment has no name
+    # (nothing is left in /dev/shm when a process is killed), another process gets it through its fd
+    # (`reduce_tensor` for vLLM workers, /proc/<pid>/fd for the replica's other ranks: `shm.ShmPeers`)
+    storage = torch.UntypedStorage._new_using_fd_cpu(nbytes)
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype)
-
-
-def share_handle(tensor: torch.Tensor) -> tuple:
-    """(rebuild, args): another process calls `rebuild(*args)` once to open the memory holding `tensor`
-    (its whole storage, as uint8) without a copy. A CUDA IPC handle on GPU; on CPU the storage's
-    shared-memory file (the storage is moved into one first if it is not shared yet). On CPU the handle
-    holds a reference of its own until it is opened (as torch's `file_system` pickling does), so the
-    file outlives a producer that frees the buffer before the consumer opened it."""
-    storage = tensor.untyped_storage()
-    if tensor.device.type != "cpu":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return reduce_tensor(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
-    name = shm_name(storage)
-    storage._shared_incref()
-    return open_shared, name
-
-
-def shm_name(storage: torch.UntypedStorage) -> tuple:
-    """(manager, file, nbytes) of a CPU storage's shared-memory file (moved into one if not shared yet)."""
-    return tuple(storage._share_filename_cpu_())
-
-
-def open_shm(manager: bytes, name: bytes, nbytes: int) -> torch.Tensor:
-    """The shared-memory file `shm_name` named, mapped into this process (uint8, no copy)."""
-    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
-def open_shared(manager: bytes, name: bytes, nbytes: int) -> torch.Tensor:
-    """Open a CPU `share_handle` (once: drops the reference the handle held)."""
-    whole = open_shm(manager, name, nbytes)
-    whole.untyped_storage()._shared_decref()
-    return whole
 
 
 def bucket_tensors(
