@@ -14,6 +14,9 @@ ranks are TP peers of one stage (an actor at TP2 with two TP1 engines), each sen
 other and receives the other's; NCCL runs a rank's send and receive to one peer in order on one stream
 and a large send waits for the peer's receive, so posted one by one (send, then receive) both ranks
 would wait on each other's send forever. gloo buffers sends, so the CPU tests cannot see the hang.
+Where every rank of the replica is a CPU process on one host (`peers`, `shm.ShmPeers`), no row is
+sent at all: the rollout rank sends each source its row's place in a shared-memory gathered buffer
+and the source packs into it, then answers "written".
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
