@@ -30,8 +30,8 @@ class EngineServer:
         (whether vLLM imports on this node), and that backend's arguments are used."""
         from megarl.rollout import create_engine, resolve_backend
 
+        backend = resolve_backend(backend)
         if per_backend is not None:
-            backend = resolve_backend(backend)
             if backend not in per_backend:
                 raise ValueError(f"no engine arguments for backend {backend!r} (given: {', '.join(per_backend)})")
             engine_kwargs = {**per_backend[backend], **engine_kwargs}
