@@ -130,6 +130,22 @@ class Mapping:
         plain = type(self).unshard is Mapping.unshard and type(self).to_hf is Mapping.to_hf
         return plain and self.tp_dim == 0 and len(self.hf) == 1
 
+    def shard_to_hf(self, shard: torch.Tensor, rank: int, size: int, dims: ModelDims, out: torch.Tensor) -> None:
+        """Write TP rank `rank`'s shard (of `size`) into its place in the flat HF buffer that
+        `unshard_to_hf` fills: the ranks' writes together equal `unshard_to_hf(shards)`, and each
+        touches only its own elements (a rank can write from its own process into shared memory).
+        Only where `writes_shards` (a split weight with this class's rules)."""
+        shape = list(shard.shape)
+        shape[self.tp_dim] *= size
+        step = shard.shape[self.tp_dim]
+        _flat_view(out, 0, shape).narrow(self.tp_dim, rank * step, step).copy_(shard)
+
+    @property
+    def writes_shards(self) -> bool:
+        """True when `shard_to_hf` holds for this mapping: a split weight whose class keeps (or
+        overrides together) `unshard`, `to_hf` and `shard_to_hf`."""
+        return self.tp_dim is not None and _uses(self, Mapping, "unshard", "to_hf", "shard_to_hf")
+
     def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
         """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
 
@@ -189,6 +205,17 @@ class VocabMapping(Mapping):
             full[row : row + take].copy_(shard[:take])
             row += take
         return [full]
+
+    def shard_to_hf(self, shard, rank, size, dims, out):
+        """The real vocabulary rows of this rank's shard (none for a shard of padding only)."""
+        start = rank * shard.shape[0]
+        take = min(shard.shape[0], dims.vocab_size - start)
+        if take > 0:
+            _flat_view(out, 0, (dims.vocab_size, *shard.shape[1:]))[start : start + take].copy_(shard[:take])
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.tp_dim == 0 and _uses(self, VocabMapping, "unshard", "to_hf", "shard_to_hf")
 
 
 @dataclass(frozen=True)
@@ -255,6 +282,24 @@ class QKVMapping(Mapping):
             raise ValueError(f"{self.mcore}: the shards hold {start} query groups, the model has {groups}")
         return [t.view(-1, *rest) for t in (q, k, v)]
 
+    def shard_to_hf(self, shard, rank, size, dims, out):
+        """This rank's whole query groups, into their rows of q, k and v."""
+        groups, head_dim = dims.num_kv_heads, dims.head_dim
+        q_rows = dims.num_heads // groups * head_dim
+        rest = tuple(shard.shape[1:])
+        local = shard.reshape(-1, q_rows + 2 * head_dim, *rest)
+        if local.shape[0] * size != groups:
+            raise ValueError(f"{self.mcore}: {size} shards of {local.shape[0]} query groups; the model has {groups}")
+        start, offset = rank * local.shape[0], 0
+        for rows, part in zip((q_rows, head_dim, head_dim), local.split([q_rows, head_dim, head_dim], dim=1)):
+            target = _flat_view(out, offset, (groups, rows, *rest))
+            target[start : start + local.shape[0]].copy_(part)
+            offset += target.numel()
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.tp_dim == 0 and _uses(self, QKVMapping, "unshard", "to_hf", "shard_to_hf")
+
 
 @dataclass(frozen=True)
 class GateUpMapping(Mapping):
@@ -289,6 +334,23 @@ class GateUpMapping(Mapping):
         full = _flat_view(out, 0, (sum(s.shape[0] for s in shards), *shards[0].shape[1:]))
         torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=full)
         return list(full.chunk(2, dim=0))
+
+    def shard_to_hf(self, shard, rank, size, dims, out):
+        """[gate_r; up_r] into rows rank·half… of gate_proj and of up_proj."""
+        half = shard.shape[0] // 2
+        full = _flat_view(out, 0, (2 * half * size, *shard.shape[1:]))
+        for target, part in zip(full.chunk(2, dim=0), shard.chunk(2, dim=0)):
+            target[rank * half : (rank + 1) * half].copy_(part)
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.tp_dim == 0 and _uses(self, GateUpMapping, "unshard", "to_hf", "shard_to_hf")
+
+
+def _uses(mapping: Mapping, cls: type, *methods: str) -> bool:
+    """Whether `mapping`'s class has `cls`'s own `methods` (a subclass that changes one of them
+    loses the rules that `cls` derived from them)."""
+    return all(getattr(type(mapping), m) is getattr(cls, m) for m in methods)
 
 
 def _check_fits(mapping: Mapping, shape, expected) -> None:

@@ -27,7 +27,7 @@ import torch
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
 from megarl.rollout.sharding.shm import ShmPeers, host_id, same_host
-from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, stream_buckets, unpack_bucket
+from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, lands_flat, stream_buckets, unpack_bucket
 
 
 @dataclass
@@ -227,15 +227,16 @@ class ShardingManager:
                 group=self.groups.mp_group,
                 peers=self.peers,
             ):
-                out = None
-                if not bucket.arrives_flat:
+                if lands_flat(bucket, self.peers):
+                    flat = FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
+                else:
                     out = (
                         kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device)
                         if kept is not None
                         else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh)
                     )
-                own = None if own_row is None else (own_row, self._local)
-                flat = unpack_bucket(bucket, gathered, dims, out, own)
+                    own = None if own_row is None else (own_row, self._local)
+                    flat = unpack_bucket(bucket, gathered, dims, out, own)
                 yield replace(flat, kept=True) if kept is not None and kept.holds(flat.buffer) else flat
         if buffers.keepable():
             self._buffers[shared] = buffers

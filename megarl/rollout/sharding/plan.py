@@ -136,6 +136,13 @@ class Bucket:
         return not self.sharded or (len(self.params) == 1 and self.params[0].mapping.hf_is_shards_in_order)
 
     @property
+    def shards_write_flat(self) -> bool:
+        """True for a sharded bucket whose every parameter can place one TP rank's shard straight
+        into the flat bucket (`Mapping.writes_shards`): over shared memory the TP ranks then write
+        the flat bucket themselves and the rollout rank unpacks nothing."""
+        return self.sharded and all(p.mapping.writes_shards for p in self.params)
+
+    @property
     def local_numel(self) -> int:
         """Elements one TP rank packs: its shards (sharded), the HF tensors (replicated)."""
         return sum(p.numel for p in self.params) if self.sharded else self.hf_numel

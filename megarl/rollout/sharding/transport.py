@@ -67,6 +67,22 @@ def pack_bucket(bucket: Bucket, local_params: dict, dims, out: Optional[torch.Te
     return buf
 
 
+def write_shards(bucket: Bucket, local_params: dict, dims, tp_rank: int, out: torch.Tensor) -> None:
+    """This TP rank's shards of a sharded bucket written straight into the flat bucket `out` (HF
+    layout; `Bucket.shards_write_flat`): the TP ranks' writes together are `unpack_bucket`'s result."""
+    cursor = 0
+    for p in bucket.params:
+        src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
+        p.mapping.shard_to_hf(src, tp_rank, bucket.tp_size, dims, out[cursor : cursor + p.hf_numel])
+        cursor += p.hf_numel
+
+
+def lands_flat(bucket: Bucket, peers: Optional[ShmPeers]) -> bool:
+    """Whether the gathered buffer starts with the flat bucket once received: it `arrives_flat`,
+    or its TP ranks write it in HF layout over shared memory (`Bucket.shards_write_flat`)."""
+    return bucket.arrives_flat or (peers is not None and bucket.shards_write_flat)
+
+
 def unpack_bucket(
     bucket: Bucket,
     gathered: torch.Tensor,
@@ -147,7 +163,7 @@ def stream_buckets(
                 my_rank,
                 stage_ranks,
                 buffers.recv,
-                fresh and bucket.arrives_flat,
+                fresh and lands_flat(bucket, peers),
                 kept,
                 group,
                 peers,
@@ -292,8 +308,9 @@ def _receive_ops(
     peers: Optional[ShmPeers] = None,
 ):
     """(gathered buffer [rows, local_numel], receives of every remote row, own row); our own row is
-    packed only when the buffer is the flat bucket (`Bucket.arrives_flat`), else it stays unwritten.
-    With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written"."""
+    packed only when the buffer is the flat bucket (`lands_flat`), else it stays unwritten.
+    With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written";
+    where the shards write flat, the place is the buffer's start and every rank writes in HF layout."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -305,14 +322,18 @@ def _receive_ops(
         else slots.take(numel, bucket.dtype, device, fresh=fresh)
     )
     gathered = flat.view(len(sources), -1)
+    direct = peers is not None and bucket.shards_write_flat
     ops, own_row = [], None
     for row, src in enumerate(sources):
         if src != my_rank:
             if peers is None:
                 ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
             else:
-                ops.append(dist.P2POp(dist.isend, peers.place(gathered[row]), src, group, tag=2 * bucket.index))
+                place = peers.place(flat if direct else gathered[row])
+                ops.append(dist.P2POp(dist.isend, place, src, group, tag=2 * bucket.index))
                 ops.append(dist.P2POp(dist.irecv, _WRITTEN.clone(), src, group, tag=2 * bucket.index + 1))
+        elif direct:
+            write_shards(bucket, local_params, dims, row, flat)
         elif not bucket.arrives_flat:
             own_row = row
         else:
@@ -322,10 +343,12 @@ def _receive_ops(
 
 def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> list:
     """Same host: pack this rank's shards straight into each other rollout rank's gathered buffer, at
-    the place it sent; the "written" sends (their works)."""
+    the place it sent (in HF layout, into the flat bucket, where `Bucket.shards_write_flat`); the
+    "written" sends (their works)."""
     import torch.distributed as dist
 
-    if my_rank not in _sources(bucket, stage_ranks):
+    sources = _sources(bucket, stage_ranks)
+    if my_rank not in sources:
         return []
     works = []
     for dest in dest_ranks:
@@ -333,7 +356,11 @@ def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, pe
             continue
         place = peers.message()
         dist.irecv(place, dest, group, tag=2 * bucket.index).wait()
-        pack_bucket(bucket, local_params, dims, out=peers.open(place, bucket.local_numel, bucket.dtype))
+        if bucket.shards_write_flat:
+            out = peers.open(place, bucket.hf_numel, bucket.dtype)
+            write_shards(bucket, local_params, dims, sources.index(my_rank), out)
+        else:
+            pack_bucket(bucket, local_params, dims, out=peers.open(place, bucket.local_numel, bucket.dtype))
         works.append(dist.isend(_WRITTEN, dest, group, tag=2 * bucket.index + 1))
     return works
 
