@@ -6,7 +6,7 @@ import torch
 from megarl.models.hf_config import describe_hf_config
 from megarl.models.mapping import Mapping, WeightMap, padded_vocab_size
 from megarl.rollout.sharding.plan import ParamMeta, PlanError, plan_sync
-from megarl.rollout.sharding.transport import pack_bucket, unpack_bucket
+from megarl.rollout.sharding.transport import pack_bucket, unpack_bucket, write_shards
 from megarl.testing.models import tiny_hf_config
 
 
@@ -125,12 +125,19 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
             params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
             own = unpack_bucket(bucket, unpacked.view(-1), wmap.dims, own=(row, params))
             assert torch.equal(own.buffer, flat.buffer)
+        if bucket.shards_write_flat:  # same host: every TP rank writes its shards into the flat bucket itself
+            direct = torch.full((bucket.gathered_numel,), float("nan"))
+            for row, (_, _, local) in enumerate(layouts):
+                params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
+                write_shards(bucket, params, wmap.dims, row, direct)
+            assert torch.equal(direct[: bucket.hf_numel], flat.buffer)  # every element written, bit for bit
         for entry, (name, tensor) in zip(flat.entries, flat.tensors()):
             assert tensor.data_ptr() == flat.buffer.data_ptr() + entry.offset * tensor.element_size()  # views
             got[name] = tensor.clone()
     assert any(b.sharded for b in plan.buckets) == (tp > 1)
     # the embedding (> 20 kB) is alone in its bucket: at TP2 it arrives flat, shards in order
     assert any(b.sharded and b.arrives_flat for b in plan.buckets) == (tp > 1)
+    assert all(b.shards_write_flat for b in plan.buckets if b.sharded)  # every kind of this table writes shards
     assert got.keys() == hf.keys()
     for name in hf:
         assert torch.equal(got[name], hf[name]), name
@@ -200,6 +207,37 @@ def test_fused_unshard_to_hf_equals_the_mapping_rules(arch, tp):
         assert out[-5:].isnan().all(), mapping.mcore  # nothing written past the HF tensors
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_writes_its_shard_into_the_flat_hf_tensors(arch, tp):
+    """`Mapping.shard_to_hf`: TP ranks writing their own shards, each into the same flat buffer, leave
+    exactly `unshard_to_hf(shards)` there (q/k/v per query group, gate/up halves, row- and column-parallel
+    splits, vocab rows with a rank holding only padding at TP4); a rank writes nothing outside its
+    elements. Kinds without the rule (replicated, a class with its own `to_hf`) say so."""
+    dims = describe_hf_config(tiny_hf_config(arch, num_layers=1, num_kv_heads=4))  # TP4 divides the query groups
+    wmap = WeightMap(dims)
+    torch.manual_seed(0)
+    writers = [m for m in wmap.all_mappings() if m.writes_shards]
+    assert {type(m).__name__ for m in writers} >= {"Mapping", "VocabMapping", "QKVMapping", "GateUpMapping"}
+    assert all(m.tp_dim is None for m in wmap.all_mappings() if not m.writes_shards)
+    assert not _Transposed("x", ("a",), tp_dim=0).writes_shards
+    for mapping in writers:
+        full = torch.randn(_mcore_shape(mapping, dims, tp))
+        shards = [mapping.shard(full, r, tp) for r in range(tp)]
+        numel = sum(t.numel() for t in mapping.to_hf(full, dims))
+        expected = torch.empty(numel)
+        mapping.unshard_to_hf(shards, dims, expected)
+        out = torch.full((numel,), float("nan"))
+        for rank, shard in enumerate(shards):
+            alone = torch.full((numel,), float("nan"))
+            mapping.shard_to_hf(shard, rank, tp, dims, alone)
+            written = ~alone.isnan()
+            assert torch.equal(alone[written], expected[written]), (mapping.mcore, rank)
+            assert not (written & ~out.isnan()).any(), (mapping.mcore, rank)  # no element of another rank's
+            out[written] = alone[written]
+        assert torch.equal(out, expected), mapping.mcore
+
+
 class _Transposed(Mapping):
     """A mapping kind with its own to_hf and no fused rule: the generic path must be used."""
 
@@ -220,7 +258,9 @@ def _shapes_of(dims):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_hf_config(dims.model_type, num_layers=1))
+        model = AutoModelForCausalLM.from_config(
+            tiny_hf_config(dims.model_type, num_layers=1, num_kv_heads=dims.num_kv_heads)
+        )
     return {n: tuple(p.shape) for n, p in model.state_dict().items()} | _expert_shapes(model, dims)
 
 

@@ -22,7 +22,10 @@ parameters of one source (stage, EP rank), one dtype, and one kind:
 * a sharded bucket of one parameter whose HF tensor is its shards laid end to end (split on dim 0,
   vocab padding last: an embedding or output layer alone in its bucket,
   `Mapping.hf_is_shards_in_order`) needs no unpacking either: the HF tensor is the first elements
-  of the gathered buffer (`Bucket.arrives_flat`).
+  of the gathered buffer (`Bucket.arrives_flat`);
+* ranks on one CPU host (`transport`, `shm.py`) write a sharded bucket's shards in HF layout straight
+  into the rollout rank's buffer where every mapping can place one rank's shard
+  (`Bucket.shards_write_flat`, `Mapping.shard_to_hf`): nothing to unpack there either.
 
 Either way a bucket reaches the engine as one flat buffer in which every HF tensor is a contiguous
 slice, in order: `Bucket.entries` gives each one's (name, shape, offset).

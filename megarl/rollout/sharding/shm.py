@@ -6,7 +6,8 @@ when every rank of the replica runs on one host without CUDA (`ShardingManager` 
 its plan). Per bucket and remote row, the rollout rank sends the row's place in its gathered buffer
 (a `PLACE_BYTES` message: its pid, the file descriptor of the buffer's shared memory, a token naming
 the buffer, the row's byte offset) and later waits for a one-element "written"; the sender waits for
-the place, packs its shards straight into it and sends "written". The pack is the transfer: no
+the place, packs its shards straight into it (in HF layout into the flat bucket itself where the
+bucket's rules allow: `Bucket.shards_write_flat`) and sends "written". The pack is the transfer: no
 socket copies on either side (gloo's TCP moved a bucket at 1.5–2× the time of a copy) and the
 senders' packs run in parallel, in their own processes, while the rollout rank unpacks the previous
 bucket. A receiver only announces a place once it took the buffer for that bucket, i.e. once its

@@ -16,7 +16,11 @@ and a large send waits for the peer's receive, so posted one by one (send, then 
 would wait on each other's send forever. gloo buffers sends, so the CPU tests cannot see the hang.
 Where every rank of the replica is a CPU process on one host (`peers`, `shm.ShmPeers`), no row is
 sent at all: the rollout rank sends each source its row's place in a shared-memory gathered buffer
-and the source packs into it, then answers "written".
+and the source packs into it, then answers "written". Where every parameter of a sharded bucket
+can place one rank's shard (`Bucket.shards_write_flat`: the QKV, gate/up, vocab and plain split
+rules all can), the place is the buffer's start and each TP rank, the rollout rank included,
+writes its shards straight into the flat bucket in HF layout (`write_shards`): the buffer is the
+flat bucket when the last "written" arrives and the rollout rank unpacks nothing.
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
@@ -37,6 +41,7 @@ fresh pages) and, for a consumer in another process, one shared-memory buffer pe
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Iterator, Optional, Sequence
 
@@ -154,9 +159,9 @@ def stream_buckets(
     posted: deque = deque()  # this rank's receives, in the plan's order
     receiving = my_rank in dest_ranks
     for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
-        gathered, recv_ops, own_row = None, [], None
+        gathered, recv_ops, own_row, write_own = None, [], None, None
         if receiving:
-            gathered, recv_ops, own_row = _receive_ops(
+            gathered, recv_ops, own_row, write_own = _receive_ops(
                 bucket,
                 local_params,
                 dims,
@@ -170,6 +175,8 @@ def stream_buckets(
             )
         if peers is not None:  # places first: a rank that is also a sender then waits for its receivers'
             recv_works = _post(recv_ops)
+            if write_own is not None:  # while the other TP ranks write theirs
+                write_own()
             if bucket.source == my_source:
                 sends.append(
                     (_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group), None)
@@ -181,6 +188,8 @@ def stream_buckets(
                     bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
                 )
             works = _post(send_ops + recv_ops)
+            if write_own is not None:
+                write_own()
             if send_ops:
                 sends.append((works[: len(send_ops)], send_ops[0].tensor))
             recv_works = works[len(send_ops) :]
@@ -307,8 +316,9 @@ def _receive_ops(
     group,
     peers: Optional[ShmPeers] = None,
 ):
-    """(gathered buffer [rows, local_numel], receives of every remote row, own row); our own row is
-    packed only when the buffer is the flat bucket (`lands_flat`), else it stays unwritten.
+    """(gathered buffer [rows, local_numel], receives of every remote row, own row, the write of this
+    rank's own share to run once the receives are posted, or None); our own row is written only when
+    the buffer is the flat bucket (`lands_flat`), else it stays unwritten (the own row, for `unpack_bucket`).
     With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written";
     where the shards write flat, the place is the buffer's start and every rank writes in HF layout."""
     import torch.distributed as dist
@@ -323,7 +333,7 @@ def _receive_ops(
     )
     gathered = flat.view(len(sources), -1)
     direct = peers is not None and bucket.shards_write_flat
-    ops, own_row = [], None
+    ops, own_row, write_own = [], None, None
     for row, src in enumerate(sources):
         if src != my_rank:
             if peers is None:
@@ -333,12 +343,12 @@ def _receive_ops(
                 ops.append(dist.P2POp(dist.isend, place, src, group, tag=2 * bucket.index))
                 ops.append(dist.P2POp(dist.irecv, _WRITTEN.clone(), src, group, tag=2 * bucket.index + 1))
         elif direct:
-            write_shards(bucket, local_params, dims, row, flat)
+            write_own = functools.partial(write_shards, bucket, local_params, dims, row, flat)
         elif not bucket.arrives_flat:
             own_row = row
         else:
-            pack_bucket(bucket, local_params, dims, out=gathered[row])
-    return gathered, ops, own_row
+            write_own = functools.partial(pack_bucket, bucket, local_params, dims, out=gathered[row])
+    return gathered, ops, own_row, write_own
 
 
 def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> list:
