@@ -159,12 +159,22 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
             out["weights"] = reference
             if backend == "embedded":
                 out["engine_equals_reference"] = all(torch.equal(engine._params[n], t) for n, t in reference.items())
+                # the engine's parameters are the manager's kept buffers: later syncs wrote into the model
+                out["params_in_kept"] = sum(
+                    any(_within(t, b) for b in manager.kept.buffers.values()) for t in engine._params.values()
+                ) / len(engine._params)
             out["final_versions"] = {c.version for cs in snaps["resynced"][0] for c in cs}
     finally:
         if engine is not None and hasattr(engine, "shutdown"):
             engine.shutdown()
     out.update(snaps=snaps, actor=actor, exchanges=manager.metadata_exchanges, buckets=len(manager.plan.buckets))
     return out
+
+
+def _within(tensor, buffer) -> bool:
+    """Whether `tensor`'s memory lies inside `buffer`'s."""
+    start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.numel() * tensor.element_size() <= start + size
 
 
 def ep_sync_rank(actor_path, engine_path, layout, sequences):

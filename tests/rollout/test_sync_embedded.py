@@ -46,6 +46,9 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout, 
     assert rollout["buckets"] > 3
     check_sync(rollout["snaps"], last["actor"], rollout["weights"], rollout_models[arch], ATOL)
     assert rollout["engine_equals_reference"]  # bit-exact against the bridge's simple export
+    assert rollout["params_in_kept"] == 1.0  # adopted: from the second sync on, nothing is copied at the engine
+    kept, reused = rollout["kept_reused"]
+    assert kept >= rollout["buckets"] and reused  # every sync wrote into the same buffers (the parameters)
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
 
 

@@ -7,7 +7,8 @@ child) gets an `ipc.IpcSender`, every other one an `InPlaceSender`. The broadcas
 servers in other processes, `broadcast.py`) is built by whoever forms the weight group.
 
 Engines are duck-typed (`check_update(specs, partial=...)`, `load(weights, version)`,
-`holds_update_tensors`, `in_process`; `load_by_ipc` for IPC): this module imports no engine, so
+`holds_update_tensors`, `in_process`; `adopts_update_buffers` + `load_buckets` to take kept buffers as
+parameters; `load_by_ipc` for IPC): this module imports no engine, so
 `base.py` can use it without an import circle.
 """
 
@@ -17,17 +18,24 @@ from typing import Iterable, Sequence
 
 from megarl.rollout.sharding.ipc import IpcSender
 from megarl.rollout.sharding.plan import HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket, Sender, announced, checked_tensors
+from megarl.rollout.sharding.protocol import FlatBucket, Sender, announced, check_bucket, checked_tensors
 
 
 class InPlaceSender:
-    """An engine in this process: each bucket's tensors, as views, go straight into its loading."""
+    """An engine in this process: each bucket's tensors, as views, go straight into its loading.
 
-    shares_buffers = False
+    An engine that `adopts_update_buffers` (the embedded engine on CPU) gets the buckets themselves
+    (`load_buckets`), each in a buffer the sharding manager keeps from sync to sync (`keeps_buffers`
+    and `shares_buffers`: `transport.KeptBuffers`, which live in shared memory), and takes those
+    buffers as its parameters: from the second sync on the ranks write into the model and nothing
+    is copied at the engine.
+    """
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, adopt: bool = True):
         self.engine = engine
-        self.keeps_buffers = bool(getattr(engine, "holds_update_tensors", False))
+        self.adopts = adopt and bool(getattr(engine, "adopts_update_buffers", False))
+        self.keeps_buffers = self.adopts or bool(getattr(engine, "holds_update_tensors", False))
+        self.shares_buffers = self.adopts
         self._announced = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
@@ -36,12 +44,16 @@ class InPlaceSender:
         self._announced = announced(specs)
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
+        if self.adopts:
+            return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
         return self.engine.load(checked_tensors(buckets, self._announced), version)
 
 
-def sender_for(engine, *, verify: bool = True) -> Sender:
+def sender_for(engine, *, verify: bool = True, adopt: bool = True) -> Sender:
     """The sender that moves flat buckets into `engine`: IPC when its model is in another process (its
-    buckets checked on arrival unless `verify` is False); in place, where nothing travels, otherwise."""
+    buckets checked on arrival unless `verify` is False); in place, where nothing travels, otherwise
+    (`adopt`: an engine that can may take the sharding manager's kept buffers as its parameters; for
+    the sharding manager's syncs, not for buckets that are received, checked and then loaded)."""
     if getattr(engine, "in_process", True):
-        return InPlaceSender(engine)
+        return InPlaceSender(engine, adopt=adopt)
     return IpcSender(engine, verify=verify)
