@@ -1,7 +1,7 @@
 """The HF ↔ megatron-core model bridge: build a role's GPTModel chunks and move weights both ways.
 
 Owns: `ModelBridge`, which ties an HF config (`hf_config.py`), a parallel layout (`layout.py`),
-the model spec (`spec.py`) and the weight tables (`mapping.py`). Loading streams one HF tensor at a
+the model spec (`spec.py`) and the weight tables (`weight_map.py`, rules in `mapping.py`). Loading streams one HF tensor at a
 time into the local shard; export gathers TP shards (and, for MoE experts, the EP ranks' experts)
 one parameter at a time. Used by the conversion CLI, the training engine and the sharding manager.
 
@@ -21,7 +21,7 @@ from megarl.models import spec
 from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.models.hf_io import HFCheckpointReader
 from megarl.models.layout import ParallelLayout
-from megarl.models.mapping import WeightMap
+from megarl.models.weight_map import WeightMap
 
 logger = logging.getLogger(__name__)
 

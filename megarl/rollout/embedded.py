@@ -37,7 +37,8 @@ from megarl.rollout.sharding.protocol import FlatBucket
 
 def checkpoint_params(model) -> dict[str, torch.Tensor]:
     """The model's parameters under their checkpoint names; MoE experts as views of the fused tensors."""
-    from megarl.models.mapping import EXPERT, MOE_HF_NAMES
+    from megarl.models.mapping import EXPERT
+    from megarl.models.weight_map import MOE_HF_NAMES
 
     params = dict(model.named_parameters())
     names = MOE_HF_NAMES.get(model.config.model_type)

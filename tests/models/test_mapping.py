@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.models.hf_config import describe_hf_config, load_hf_config
-from megarl.models.mapping import GateUpMapping, QKVMapping, VocabMapping, WeightMap, padded_vocab_size
+from megarl.models.mapping import GateUpMapping, QKVMapping, VocabMapping, padded_vocab_size
+from megarl.models.weight_map import WeightMap
 
 
 def _dims(path):

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from megarl.models.convert import hf_to_mcore, mcore_to_hf
 from megarl.models.hf_config import UnsupportedModelError, describe_hf_config, load_hf_config
 from megarl.models.layout import LayoutError, ParallelLayout
-from megarl.models.mapping import WeightMap
 from megarl.models.parity import check_parity_many
+from megarl.models.weight_map import WeightMap
 from megarl.testing.models import MOE_ARCHS, tiny_hf_config
 
 ATOL = 1e-4

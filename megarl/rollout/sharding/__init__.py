@@ -6,7 +6,7 @@ rollout rank's shared memory, `shm`) gathers each bucket into one `protocol.Flat
 bucket, as it is, to a `protocol.Sender`: `senders.InPlaceSender` (engine in this process),
 `ipc.IpcSender` (CUDA IPC / shared-memory handles to a vLLM engine-core process) or
 `broadcast.BroadcastSender` (gloo/NCCL group to engine servers); `senders.sender_for(engine)`
-picks one for an engine. `plan` imports only torch and `megarl.models.mapping`; `protocol` only
+picks one for an engine. `plan` imports only torch and `megarl.models.mapping` / `weight_map`; `protocol` only
 torch and `plan`; no module here imports an engine module.
 """
 

@@ -1,6 +1,6 @@
 """The sharding planner: training-layout parameter metadata in, ordered buckets of HF tensors out.
 
-Pure (torch + `megarl.models.mapping` only; no process groups, no megatron): it never touches
+Pure (torch + `megarl.models.mapping` / `weight_map` only; no process groups, no megatron): it never touches
 parameter values, so it is tested on CPU with made-up metadata and every transport
 (`transport.py`, `broadcast.py`, `ipc.py`) moves bytes by the same plan.
 
@@ -46,7 +46,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from megarl.models.mapping import Mapping, WeightMap
+from megarl.models.mapping import Mapping
+from megarl.models.weight_map import WeightMap
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
