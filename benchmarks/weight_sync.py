@@ -8,13 +8,14 @@ Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a ran
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
 --repeats (times on rank 0, every rank between two barriers):
   * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket each TP rank
-                 packs its shards straight into rank 0's shared-memory buffer (all ranks are CPU
-                 processes on this host: `rollout.sharding.shm`), then unshard + to_hf (QKV per
-                 group, gate/up, vocab padding dropped) into HF tensors;
+                 writes its shards straight into rank 0's shared-memory buffer (all ranks are CPU
+                 processes on this host: `rollout.sharding.shm`), already as HF tensors (QKV split
+                 per group, gate/up, vocab padding dropped: `Mapping.shard_to_hf`);
   * gather-gloo, in-process-gloo — the same over gloo messages, one per TP rank and bucket
                  (`ShardingManager(host_shm=False)`, the transport of ranks on several hosts);
   * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
-                 engine in rank 0: the engine copies views of each bucket into its parameters;
+                 engine in rank 0: the engine took the manager's kept buffers as its parameters at
+                 its first sync (`EmbeddedEngine.load_buckets`), so a sync writes into the model;
   * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
                  child process of rank 0): each bucket's shared-memory buffer crosses by handle as it
                  is and vLLM's `reload_weights` loads it, the only copy on the way; the buffers are
@@ -308,7 +309,7 @@ def report(result, bucket_mb: float) -> None:
         f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
         f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)"
     )
-    print(f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB")
+    print(f"buffers kept between syncs (the in-process engine's parameters, the ipc path): {result['kept_mb']:.0f} MiB")
     t = result["times"]
     for name, seconds in t.items():
         print(

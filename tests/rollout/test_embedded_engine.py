@@ -96,7 +96,7 @@ def test_kept_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_en
     target = EmbeddedEngine(rollout_models["llama"])  # different weights, same config
     weights = [(n, p.detach().clone()) for n, p in target._params.items()]
     sender = sender_for(engine)
-    assert sender.adopts and sender.keeps_buffers and sender.shares_buffers
+    assert sender.adopts_buffers and not sender.keeps_buffers and not sender.shares_buffers
     sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
     kept = [replace(b, kept=True) for b in bucket_tensors(weights[:-1], 1 << 20)]
     loose = list(bucket_tensors(weights[-1:], 1 << 20))

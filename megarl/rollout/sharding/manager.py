@@ -26,7 +26,7 @@ import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
-from megarl.rollout.sharding.shm import ShmPeers, host_id, same_host
+from megarl.rollout.sharding.shm import ShmPeers, free_bytes, host_id, same_host
 from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, lands_flat, stream_buckets, unpack_bucket
 
 
@@ -122,6 +122,7 @@ class ShardingManager:
         self.metadata_exchanges = 0
         self.host_shm = host_shm
         self.peers: Optional[ShmPeers] = None  # set by the plan: every rank of the replica on this CPU host
+        self._adoption_fits: Optional[bool] = None  # `_can_keep_for_adoption`, decided once
 
     def _local_params(self, chunks) -> dict:
         from megarl.models.spec import layer_offset
@@ -196,20 +197,22 @@ class ShardingManager:
         return self.plan.hf_specs()
 
     # -- moving bytes ---------------------------------------------------------------------------
-    def iter_buckets(self, *, fresh: bool = False, shared: bool = False) -> Iterator[FlatBucket]:
+    def iter_buckets(self, *, fresh: bool = False, shared: bool = False, adopt: bool = False) -> Iterator[FlatBucket]:
         """Every rank must exhaust this; rollout ranks get each bucket as one `FlatBucket`.
 
         A bucket's buffer stays valid until the next bucket is asked for, or until the end of the
         sync with `fresh` (for consumers that keep tensors, `Sender.keeps_buffers`; with `shared`
         too and `keep_shared_buffers`, the next sync writes into the same buffers); `shared`: in
-        shared memory on CPU.
+        shared memory on CPU. `adopt` (with `fresh`): the consumer takes the buffers as its own
+        (`InPlaceSender.adopts_buffers`), so they are kept too, in private memory unless the
+        replica's other ranks write into them.
         """
         plan, dims = self.plan, self.bridge.dims
         # Taken out while this sync runs (a second, overlapping iteration gets rings of its own);
         # put back only after a complete sync, and only on CPU (`SyncBuffers`).
         buffers = self._buffers.pop(shared, None) or SyncBuffers(self.prefetch, shared=shared or self.peers is not None)
         outputs = buffers.out  # the consumer is done with a bucket when it asks for the next
-        kept = self.kept if fresh and shared else None
+        kept = self.kept if fresh and (shared or adopt) else None
         with torch.no_grad():
             for bucket, gathered, own_row in stream_buckets(
                 plan.buckets,
@@ -231,7 +234,7 @@ class ShardingManager:
                     flat = FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
                 else:
                     out = (
-                        kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device)
+                        kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device, shared=shared)
                         if kept is not None
                         else outputs.take(bucket.hf_numel, bucket.dtype, gathered.device, fresh=fresh)
                     )
@@ -263,7 +266,21 @@ class ShardingManager:
             for _ in self.iter_buckets():
                 pass
             return None
-        return sender.send(self.iter_buckets(fresh=sender.keeps_buffers, shared=sender.shares_buffers), version)
+        adopt = bool(getattr(sender, "adopts_buffers", False)) and self._can_keep_for_adoption()
+        buckets = self.iter_buckets(fresh=sender.keeps_buffers or adopt, shared=sender.shares_buffers, adopt=adopt)
+        return sender.send(buckets, version)
+
+    def _can_keep_for_adoption(self) -> bool:
+        """Whether this rollout rank can keep a buffer per bucket for an engine that takes them as its
+        parameters: yes unless the replica's other ranks write into them (`peers`: shared memory) and
+        /dev/shm has no room for the whole model beside the rings (touching a page beyond it is SIGBUS).
+        Decided at the first such sync (the kept buffers then hold /dev/shm themselves)."""
+        if self.kept is None:
+            return False
+        if self._adoption_fits is None:
+            rings = 4 * max(self.bucket_bytes, 256 << 20)
+            self._adoption_fits = self.peers is None or free_bytes() >= self.plan.total_bytes + rings
+        return self._adoption_fits
 
     def _agree(self, check) -> None:
         """Run `check` on rollout ranks; every rank raises the first failure (one small collective)."""

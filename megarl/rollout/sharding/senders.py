@@ -25,17 +25,17 @@ class InPlaceSender:
     """An engine in this process: each bucket's tensors, as views, go straight into its loading.
 
     An engine that `adopts_update_buffers` (the embedded engine on CPU) gets the buckets themselves
-    (`load_buckets`), each in a buffer the sharding manager keeps from sync to sync (`keeps_buffers`
-    and `shares_buffers`: `transport.KeptBuffers`, which live in shared memory), and takes those
-    buffers as its parameters: from the second sync on the ranks write into the model and nothing
-    is copied at the engine.
+    (`load_buckets`); where the sharding manager can keep a buffer per bucket from sync to sync
+    (`adopts_buffers`: `ShardingManager.sync` decides), the engine takes those buffers as its
+    parameters: from the second sync on the ranks write into the model and nothing is copied at the
+    engine.
     """
 
     def __init__(self, engine, *, adopt: bool = True):
         self.engine = engine
-        self.adopts = adopt and bool(getattr(engine, "adopts_update_buffers", False))
-        self.keeps_buffers = self.adopts or bool(getattr(engine, "holds_update_tensors", False))
-        self.shares_buffers = self.adopts
+        self.adopts_buffers = adopt and bool(getattr(engine, "adopts_update_buffers", False))
+        self.keeps_buffers = bool(getattr(engine, "holds_update_tensors", False))
+        self.shares_buffers = False
         self._announced = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
@@ -44,7 +44,7 @@ class InPlaceSender:
         self._announced = announced(specs)
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
-        if self.adopts:
+        if self.adopts_buffers:
             return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
         return self.engine.load(checked_tensors(buckets, self._announced), version)
 

@@ -50,10 +50,10 @@ def host_id(min_free_bytes: int = 0) -> Optional[str]:
     and touching a shared page beyond its size kills the process (SIGBUS) instead of raising.
     """
     try:
-        fs, mount, pids = os.statvfs("/dev/shm"), os.stat("/dev/shm").st_dev, os.stat("/proc/self/ns/pid").st_ino
+        mount, pids = os.stat("/dev/shm").st_dev, os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
-    if fs.f_bavail * fs.f_frsize < min_free_bytes:
+    if free_bytes() < min_free_bytes:
         return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -61,6 +61,15 @@ def host_id(min_free_bytes: int = 0) -> Optional[str]:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}/{mount}/{pids}"
+
+
+def free_bytes() -> int:
+    """Bytes free in /dev/shm (0 where there is none)."""
+    try:
+        fs = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return fs.f_bavail * fs.f_frsize
 
 
 class ShmPeers:

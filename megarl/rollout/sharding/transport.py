@@ -138,28 +138,27 @@ def stream_buckets(
 ) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int]]]:
     """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
 
-    own row: in a bucket of this rank's own stage that needs unpacking (not `Bucket.arrives_flat`),
-    the row of the gathered buffer left unwritten (this rank's shards, which
-    `unpack_bucket(..., own=(row, local_params))` reads from the parameters); None otherwise.
+    own row: in a bucket of this rank's own stage that needs unpacking (not `lands_flat`), the row of the
+    gathered buffer left unwritten (`unpack_bucket(..., own=(row, local_params))` reads those shards
+    from the parameters); None otherwise.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank). `group`: the replica's process group, holding every
     source and destination (a group with a collective behind it: NCCL creates a batch's communicator then).
     Every rank of the replica must exhaust the generator. A yielded buffer stays valid until the
-    generator is resumed; with `fresh`, the buffer of a bucket that `arrives_flat` (which becomes
-    the flat bucket) is never reused within this sync (with `kept`, it is that bucket's kept
-    buffer, which the next sync writes again). `shared`: yielded buffers live in shared memory
-    (CPU). `buffers`: the rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None.
-    `peers`: every rank of the replica is a CPU process on this host: senders write their rows
-    straight into the rollout ranks' shared-memory gathered buffers (`shm.ShmPeers`) instead of
-    sending them.
+    generator is resumed; with `fresh`, the buffer of a bucket that `lands_flat` (it becomes the flat
+    bucket) is never reused within this sync (with `kept`, it is that bucket's kept buffer, which the
+    next sync writes again). `shared`: yielded buffers live in shared memory (CPU). `buffers`: the
+    rings to reuse (a previous sync's, `SyncBuffers`); fresh ones when None. `peers`: every rank of
+    the replica is a CPU process on this host: senders write their rows straight into the rollout
+    ranks' shared-memory gathered buffers (`shm.ShmPeers`) instead of sending them.
     """
     buffers = buffers or SyncBuffers(prefetch, shared=shared or peers is not None)
     sends: deque = deque()  # (works, packed buffer) of this rank's last buckets sent
     posted: deque = deque()  # this rank's receives, in the plan's order
     receiving = my_rank in dest_ranks
     for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
-        gathered, recv_ops, own_row, write_own = None, [], None, None
+        gathered, recv_ops, own_row, write_own = None, [], None, _nothing
         if receiving:
             gathered, recv_ops, own_row, write_own = _receive_ops(
                 bucket,
@@ -175,8 +174,7 @@ def stream_buckets(
             )
         if peers is not None:  # places first: a rank that is also a sender then waits for its receivers'
             recv_works = _post(recv_ops)
-            if write_own is not None:  # while the other TP ranks write theirs
-                write_own()
+            write_own()  # while the other TP ranks write theirs
             if bucket.source == my_source:
                 sends.append(
                     (_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group), None)
@@ -188,8 +186,7 @@ def stream_buckets(
                     bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
                 )
             works = _post(send_ops + recv_ops)
-            if write_own is not None:
-                write_own()
+            write_own()
             if send_ops:
                 sends.append((works[: len(send_ops)], send_ops[0].tensor))
             recv_works = works[len(send_ops) :]
@@ -249,26 +246,31 @@ class SyncBuffers:
 
 
 class KeptBuffers:
-    """Shared-memory buffers kept from sync to sync, one per key (a bucket's position and role).
+    """Buffers kept from sync to sync, one per key (a bucket's position and role).
 
     For consumers in another process that keep a bucket's buffer until the end of an update (vLLM's
-    reload): within one update every bucket still has a buffer of its own, but the next update
-    writes into the same ones: no fresh shared-memory pages to allocate and zero every sync (the
-    consumer maps pages that already exist). The price: the buffers stay allocated (about the
-    model's HF bytes). CPU only; on other devices `take` hands out a fresh buffer each time.
+    reload; shared memory): within one update every bucket still has a buffer of its own, but the
+    next update writes into the same ones: no fresh shared-memory pages to allocate and zero every
+    sync (the consumer maps pages that already exist). For an engine that adopts them as its
+    parameters (`InPlaceSender.adopts_buffers`; shared memory only where the replica's other ranks
+    write into them): every later sync writes straight into the model. The price: the buffers stay
+    allocated (about the model's HF bytes). CPU only; on other devices `take` hands out a fresh
+    buffer each time.
     """
 
     def __init__(self):
         self.buffers: dict = {}
 
-    def take(self, key, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def take(self, key, numel: int, dtype: torch.dtype, device, *, shared: bool = True) -> torch.Tensor:
+        """The buffer kept for `key` ([numel] of `dtype`); `shared`: in shared memory (a new one the
+        first time, or when it must grow)."""
         device = torch.device(device)
         if device.type != "cpu":
             return alloc_flat(numel, dtype, device)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[key] = alloc_flat(nbytes, torch.uint8, device, shared=True)
+            buf = self.buffers[key] = alloc_flat(nbytes, torch.uint8, device, shared=shared)
         return buf[:nbytes].view(dtype)
 
     @property
@@ -317,7 +319,7 @@ def _receive_ops(
     peers: Optional[ShmPeers] = None,
 ):
     """(gathered buffer [rows, local_numel], receives of every remote row, own row, the write of this
-    rank's own share to run once the receives are posted, or None); our own row is written only when
+    rank's own share to run once the receives are posted); our own row is written only when
     the buffer is the flat bucket (`lands_flat`), else it stays unwritten (the own row, for `unpack_bucket`).
     With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written";
     where the shards write flat, the place is the buffer's start and every rank writes in HF layout."""
@@ -327,13 +329,13 @@ def _receive_ops(
     device = _device_of(bucket, local_params) if my_rank in sources else _default_device()
     numel = len(sources) * bucket.local_numel
     flat = (
-        kept.take(("gathered", bucket.index), numel, bucket.dtype, device)
+        kept.take(("gathered", bucket.index), numel, bucket.dtype, device, shared=slots.shared)
         if fresh and kept is not None
         else slots.take(numel, bucket.dtype, device, fresh=fresh)
     )
     gathered = flat.view(len(sources), -1)
     direct = peers is not None and bucket.shards_write_flat
-    ops, own_row, write_own = [], None, None
+    ops, own_row, write_own = [], None, _nothing
     for row, src in enumerate(sources):
         if src != my_rank:
             if peers is None:
@@ -376,6 +378,10 @@ def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, pe
 
 
 _WRITTEN = torch.ones(1, dtype=torch.uint8)
+
+
+def _nothing() -> None:
+    """No share of this rank to write."""
 
 
 def _post(ops: list) -> list:
