@@ -13,7 +13,7 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
                  per group, gate/up, vocab padding dropped: `Mapping.shard_to_hf`);
   * gather-gloo, in-process-gloo — the same over gloo messages, one per TP rank and bucket
                  (`ShardingManager(host_shm=False)`, the transport of ranks on several hosts);
-  * in-process — `ShardingManager.sync(InPlaceSender(engine))` into an embedded (`transformers`)
+  * in-process — `ShardingManager.sync(InPlaceSender(engine, adopt=True))` into an embedded (`transformers`)
                  engine in rank 0: the engine took the manager's kept buffers as its parameters at
                  its first sync (`EmbeddedEngine.load_buckets`), so a sync writes into the model;
   * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
@@ -92,7 +92,7 @@ def _sync(manager, sender):
 def sync_in_process(manager, engine):
     from megarl.rollout.sharding.senders import InPlaceSender
 
-    return _sync(manager, engine and InPlaceSender(engine))
+    return _sync(manager, engine and InPlaceSender(engine, adopt=True))
 
 
 def sync_ipc(manager, engine, verify: bool = True):
@@ -197,6 +197,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         exchanges=fast.metadata_exchanges,
         rss_growth=rss_growth,
         kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20,
+        adopted_mb=engines["in-process"].update_buffers.nbytes / 2**20,
     )
 
 
@@ -309,7 +310,10 @@ def report(result, bucket_mb: float) -> None:
         f"rank 0 peak RSS growth during the first gather: {result['rss_growth']:.0f} MiB (largest bucket"
         f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)"
     )
-    print(f"buffers kept between syncs (the in-process engine's parameters, the ipc path): {result['kept_mb']:.0f} MiB")
+    print(
+        f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB; the in-process"
+        f" engine's sync buffers (its parameters, both transports): {result['adopted_mb']:.0f} MiB"
+    )
     t = result["times"]
     for name, seconds in t.items():
         print(

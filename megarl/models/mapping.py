@@ -137,8 +137,8 @@ class Mapping:
     @property
     def writes_shards(self) -> bool:
         """True when `shard_to_hf` holds for this mapping: a split weight whose class keeps (or
-        overrides together) `unshard`, `to_hf` and `shard_to_hf`."""
-        return self.tp_dim is not None and _uses(self, Mapping, "unshard", "to_hf", "shard_to_hf")
+        overrides together) `unshard`, `to_hf`, `unshard_to_hf` and `shard_to_hf`."""
+        return self.tp_dim is not None and _uses(self, Mapping, "unshard", "to_hf", "unshard_to_hf", "shard_to_hf")
 
     def with_layer(self, layer: int, expert: int | None = None) -> "Mapping":
         """This mapping with `{layer}` (and `{expert}`, for expert weights) filled in."""
@@ -209,7 +209,7 @@ class VocabMapping(Mapping):
 
     @property
     def writes_shards(self) -> bool:
-        return self.tp_dim == 0 and _uses(self, VocabMapping, "unshard", "to_hf", "shard_to_hf")
+        return self.tp_dim == 0 and _uses(self, VocabMapping, "unshard", "to_hf", "unshard_to_hf", "shard_to_hf")
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ class QKVMapping(Mapping):
 
     @property
     def writes_shards(self) -> bool:
-        return self.tp_dim == 0 and _uses(self, QKVMapping, "unshard", "to_hf", "shard_to_hf")
+        return self.tp_dim == 0 and _uses(self, QKVMapping, "unshard", "to_hf", "unshard_to_hf", "shard_to_hf")
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,7 @@ class GateUpMapping(Mapping):
 
     @property
     def writes_shards(self) -> bool:
-        return self.tp_dim == 0 and _uses(self, GateUpMapping, "unshard", "to_hf", "shard_to_hf")
+        return self.tp_dim == 0 and _uses(self, GateUpMapping, "unshard", "to_hf", "unshard_to_hf", "shard_to_hf")
 
 
 def _uses(mapping: Mapping, cls: type, *methods: str) -> bool:

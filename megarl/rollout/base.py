@@ -307,7 +307,7 @@ class RolloutEngine(ABC):
         bucketed (`update_bucket_bytes`) and sent by this engine's sender (`sender_for`).
         """
         weights = [(name, tensor) for name, tensor in weights]
-        sender = sender_for(self, adopt=False)  # the buckets are this call's own: nothing to adopt
+        sender = sender_for(self)
         sender.check([HFSpec(name, tuple(t.shape), t.dtype) for name, t in weights], partial=partial)
         buckets = bucket_tensors(weights, self.update_bucket_bytes, shared=sender.shares_buffers)
         return sender.send(buckets, self.version + 1 if version is None else version)

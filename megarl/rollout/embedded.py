@@ -7,8 +7,9 @@ length and sampling params so no padding enters the attention (greedy output equ
 was sampled from: log_softmax(logits / temperature) after top-k / top-p (greedy: temperature 1),
 as vLLM's "processed_logprobs" (`SamplingParams.logprobs`).
 Weight updates copy HF-named tensors into the parameters (`named_parameters`, so tied
-embeddings are one tensor), strict names and shapes; on CPU a sync's kept buffers become the
-parameters themselves (`load_buckets`), so later syncs write straight into the model. Names are the checkpoint's (what
+embeddings are one tensor), strict names and shapes; on CPU a sharding manager's sync lands in the
+engine's own buffers, which become the parameters themselves (`load_buckets`), so later syncs write
+straight into the model. Names are the checkpoint's (what
 `save_pretrained` writes, vLLM loads and the sharding manager sends): for MoE families, whose
 transformers modules fuse the experts ([experts, 2·ffn, hidden] gate-up, [experts, hidden, ffn]
 down), each per-expert name is a view into the fused parameter (`checkpoint_params`). The fallback, not the default:
@@ -32,7 +33,9 @@ import torch
 
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, make_completion
 from megarl.rollout.batcher import BatchScheduler, Pending
+from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import FlatBucket
+from megarl.rollout.sharding.transport import KeptBuffers
 
 
 def checkpoint_params(model) -> dict[str, torch.Tensor]:
@@ -78,7 +81,7 @@ class EmbeddedEngine(RolloutEngine):
             self.device = torch.device("cuda", torch.cuda.current_device())  # whose current device is 0
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
-        self._adopted: set[str] = set()  # parameters whose memory is a sync's kept buffer (`load_buckets`)
+        self.update_buffers = KeptBuffers()  # a sync's buckets land here and become the parameters (`load_buckets`)
         self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
         self._scheduler = BatchScheduler(self._run_batch, lambda pending: _aborted_before_start(pending, self.version))
 
@@ -94,30 +97,27 @@ class EmbeddedEngine(RolloutEngine):
             for name, tensor in weights:
                 self._params[name].copy_(tensor)
 
-    @property
-    def adopts_update_buffers(self) -> bool:
-        """On CPU, a sync's kept buffers become the model's parameters (`load_buckets`)."""
-        return self.device.type == "cpu"
+    def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
+        """Whether a sync of these tensors can land in `update_buffers` and become the parameters
+        (`load_buckets`): on CPU, each a whole parameter (not a view of fused MoE experts) of its dtype."""
+        params = self._params
+        whole = all(isinstance(params.get(s.name), torch.nn.Parameter) for s in specs)
+        return self.device.type == "cpu" and whole and all(params[s.name].dtype == s.dtype for s in specs)
 
     def load_buckets(self, buckets: Iterable[FlatBucket], version: int) -> int:
-        """Take already-checked buckets as policy `version` (an in-place sender calls this instead of `load`).
+        """Take already-checked buckets, landed in this engine's `update_buffers`, as policy `version`.
 
-        A tensor of a bucket the sharding manager keeps from sync to sync (`FlatBucket.kept`) becomes the
-        parameter itself (`param.data` rebound to the view) where it is a whole parameter of the same
-        dtype, shape and device; from then on every sync writes straight into the parameter, and its
-        tensor arrives as the parameter's own memory, so there is nothing to copy. Other tensors
-        (views of fused MoE experts, a cast, buffers that are not kept) are copied in.
-
-        The manager writes a bucket into its kept buffer before handing it over (and the next bucket
-        while this one loads), all while the weights lock is held here; but a sync that fails before its
-        first bucket arrives may already have written into adopted parameters: with any adopted, the
-        update counts as touched from its start (a failure then leaves the engine refusing requests
-        until an update succeeds, never silently mixing two versions).
+        A bucket's tensors become the parameters themselves (`param.data` rebound to the views; kept
+        buckets only, of the same shape); from then on a sync writes straight into the model and each
+        tensor arrives as the parameter's own memory: nothing to copy. Only syncs into this engine write
+        into its buffers, each while the weights lock is held here, but one that fails before its first
+        bucket arrives may already have written some: the update counts as touched from its start (a
+        failure leaves the engine refusing requests until an update succeeds, never mixing versions
+        silently).
         """
         with self.updating(version) as progress, torch.no_grad(), self._weights_lock:
-            progress.touched = bool(self._adopted)
+            progress.touched = True
             for bucket in buckets:
-                progress.touched = True
                 for name, tensor in bucket.tensors():
                     self._take(name, tensor, adopt=bucket.kept)
         return version
@@ -125,15 +125,11 @@ class EmbeddedEngine(RolloutEngine):
     def _take(self, name: str, tensor: torch.Tensor, *, adopt: bool) -> None:
         param = self._params[name]
         if param.data_ptr() == tensor.data_ptr():
-            return  # an adopted parameter: the sync wrote it in place
-        whole = isinstance(param, torch.nn.Parameter)  # not a view of a fused tensor (MoE experts)
-        same = param.dtype == tensor.dtype and param.shape == tensor.shape and param.device == tensor.device
-        if adopt and whole and same:
+            return  # adopted at an earlier sync: written in place
+        if adopt and param.shape == tensor.shape and param.dtype == tensor.dtype and param.device == tensor.device:
             param.data = tensor
-            self._adopted.add(name)
         else:
             param.copy_(tensor)
-            self._adopted.discard(name)
 
     def sleep(self) -> None:
         """On GPU, move weights to CPU; on CPU there is nothing to free (a flag only)."""

@@ -90,7 +90,7 @@ class Rollout:
                 # rank's `rollout.tp` GPUs; updates cross as CUDA IPC buckets.
                 kwargs.update(visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
-        self.sender = None if self.engine is None else sender_for(self.engine, verify=ro.verify_weights)
+        self.sender = None if self.engine is None else sender_for(self.engine, verify=ro.verify_weights, adopt=True)
         self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
         register_local(self.name, self)
 

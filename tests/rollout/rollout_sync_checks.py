@@ -131,8 +131,10 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     bridge, chunks = build_actor(actor_path, layout)
     manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10, host_shm=host_shm)
     engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
-    sender = sender_for(engine) if engine is not None else None
+    sender = sender_for(engine, adopt=True) if engine is not None else None
     snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank, "host_shm": manager.peers is not None}
+    # every sync writes into the same buffers: the IPC sender's shared memory, the embedded engine's parameters
+    kept = getattr(engine, "update_buffers", manager.kept)
 
     def snapshot(tag):
         if engine is not None:
@@ -142,17 +144,16 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     try:
         snapshot("before")
         out["version1"] = manager.sync(sender, version=1)
-        kept_after_first = {k: b.data_ptr() for k, b in manager.kept.buffers.items()}
+        kept_after_first = {k: b.data_ptr() for k, b in kept.buffers.items()}
         snapshot("synced")
         perturb_layers(chunks)
         manager.sync(sender, version=2)
         snapshot("perturbed")
         reference = reference_export(bridge, chunks)
         out["version3"] = manager.sync(sender, version=3)
-        # IPC on CPU: every sync wrote into the shared-memory buffers of the first (none for in-place engines)
         out["kept_reused"] = (
             len(kept_after_first),
-            kept_after_first == {k: b.data_ptr() for k, b in manager.kept.buffers.items()},
+            kept_after_first == {k: b.data_ptr() for k, b in kept.buffers.items()},
         )
         snapshot("resynced")
         if engine is not None:
@@ -161,7 +162,7 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
                 out["engine_equals_reference"] = all(torch.equal(engine._params[n], t) for n, t in reference.items())
                 # the engine's parameters are the manager's kept buffers: later syncs wrote into the model
                 out["params_in_kept"] = sum(
-                    any(_within(t, b) for b in manager.kept.buffers.values()) for t in engine._params.values()
+                    any(_within(t, b) for b in kept.buffers.values()) for t in engine._params.values()
                 ) / len(engine._params)
             out["final_versions"] = {c.version for cs in snaps["resynced"][0] for c in cs}
     finally:

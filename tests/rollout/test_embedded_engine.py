@@ -80,24 +80,31 @@ def test_pause_abort_returns_partial_and_new_requests_wait(engine):
     check_pause_abort_returns_partial_and_queues_new_requests(engine)
 
 
-def test_kept_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_engine(rollout_models):
-    """`load_buckets` (the in-place sender of a sharding manager's sync): a tensor of a kept bucket becomes
-    the parameter itself (written in place by every later sync: nothing to copy), one of a bucket that is
-    not kept, or of another dtype, is copied. With parameters adopted, a sync that fails before its first
-    bucket arrives may already have written into them, so the engine refuses requests until an update
-    succeeds instead of keeping its version as if nothing had happened."""
+def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_engine(rollout_models, tmp_path):
+    """An adopting in-place sender (a sharding manager's syncs) on a dense CPU engine: `check` hands the
+    manager the engine's own buffers; `load_buckets` makes a kept bucket's tensors the parameters (every
+    later sync writes the model in place: nothing to copy) and copies the others in. No adoption for a
+    partial update, another dtype, or MoE experts (views of fused tensors). A sync into the engine's
+    buffers that fails before its first bucket arrives may have written some already: the engine then
+    refuses requests until an update succeeds instead of keeping its version as if nothing happened."""
     from dataclasses import replace
 
     from megarl.rollout.sharding.plan import HFSpec
     from megarl.rollout.sharding.protocol import bucket_tensors
     from megarl.rollout.sharding.senders import sender_for
+    from megarl.testing.models import save_tiny_hf_model
 
     engine = EmbeddedEngine(rollout_models["llama_other"])
     target = EmbeddedEngine(rollout_models["llama"])  # different weights, same config
     weights = [(n, p.detach().clone()) for n, p in target._params.items()]
-    sender = sender_for(engine)
-    assert sender.adopts_buffers and not sender.keeps_buffers and not sender.shares_buffers
-    sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+    specs = [HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights]
+    sender = sender_for(engine, adopt=True)
+    sender.check(specs, partial=True)
+    assert sender.adopt_into is None  # partial: not every bucket would land in the engine's buffers
+    sender.check([replace(s, dtype=torch.float16) for s in specs])
+    assert sender.adopt_into is None  # a cast: copied in
+    sender.check(specs)
+    assert sender.adopt_into is engine.update_buffers and not sender.keeps_buffers and not sender.shares_buffers
     kept = [replace(b, kept=True) for b in bucket_tensors(weights[:-1], 1 << 20)]
     loose = list(bucket_tensors(weights[-1:], 1 << 20))
     original = {n: p.data_ptr() for n, p in engine._params.items()}
@@ -110,19 +117,18 @@ def test_kept_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_en
         else:
             assert param.data_ptr() == original[name], name  # copied into its own memory
     assert tokens(engine.generate_sync(PROMPTS, SamplingParams(**GREEDY))) == hf_greedy(rollout_models["llama"])
-
     name, view = next(iter(views.items()))
-    view.add_(1.0)  # the next sync writes the kept buffer: the model sees it, nothing else to do
+    view.add_(1.0)  # the next sync writes the buffer: the model holds it, nothing else to do
     assert torch.equal(engine._params[name], view)
-    half = [replace(b, kept=True) for b in bucket_tensors([(n, t.half()) for n, t in weights[:1]], 1 << 20)]
-    engine.check_update([HFSpec(weights[0][0], tuple(weights[0][1].shape), torch.float16)], partial=True)
-    engine.load_buckets(iter(half), version=2)  # another dtype: cast into the parameter, not adopted
-    assert engine._params[weights[0][0]].dtype == torch.float32
 
     def failing():
         raise RuntimeError("a sender rank died")
         yield  # pragma: no cover
 
     with pytest.raises(RuntimeError, match="sender rank died"):
-        engine.load_buckets(failing(), version=3)
-    assert engine.version == 2 and engine.broken and "mixes two versions" in engine.broken
+        engine.load_buckets(failing(), version=2)
+    assert engine.version == 1 and engine.broken and "mixes two versions" in engine.broken
+
+    save_tiny_hf_model("qwen2_moe", tmp_path / "moe", seed=0)
+    moe = EmbeddedEngine(tmp_path / "moe")
+    assert not moe.adopts_update([HFSpec(n, tuple(p.shape), p.dtype) for n, p in moe._params.items()])

@@ -1,6 +1,7 @@
 """The same-host shared-memory transport's pieces (`megarl.rollout.sharding.shm`); whole syncs over it
 run in test_sync_embedded.py (host_shm on and off, bit for bit)."""
 
+import pytest
 import torch
 
 from megarl.rollout.sharding.protocol import alloc_flat
@@ -36,3 +37,28 @@ def test_ranks_share_memory_only_on_one_host_with_room_in_dev_shm():
     assert host_id(min_free_bytes=1 << 60) is None  # a container's small /dev/shm: gloo messages instead
     assert same_host(["a/1", "a/1"]) and not same_host(["a/1", "b/1"])
     assert not same_host(["a/1", None]) and not same_host([])
+
+
+def test_no_room_in_dev_shm_is_a_clear_error_at_allocation_not_a_sigbus_later(monkeypatch):
+    """A shared buffer's pages are reserved when it is made: where /dev/shm cannot hold them (a container's
+    64 MiB default, or other processes filling it at the same time) the error names the fix; a filesystem
+    without fallocate keeps the old behaviour (pages at first touch)."""
+    import errno
+    import os
+
+    buf = alloc_flat(1 << 20, torch.float32, "cpu", shared=True)  # reserved: 4 MiB of /dev/shm
+    buf.fill_(1.0)
+    assert buf.is_shared()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(MemoryError, match=r"no room in /dev/shm for a 4 MiB weight-sync buffer.*--shm-size"):
+        alloc_flat(1 << 20, torch.float32, "cpu", shared=True)
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    assert alloc_flat(16, torch.float32, "cpu", shared=True).numel() == 16

@@ -72,10 +72,8 @@ def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkey
     seen = []
     original = engine._load_weights
     monkeypatch.setattr(engine, "_load_weights", lambda stream: original(seen.append(t) or (n, t) for n, t in stream))
-    sender = sender_for(
-        engine, adopt=False
-    )  # copies each view in (`load_buckets` adopts kept ones: test_embedded_engine)
-    assert isinstance(sender, InPlaceSender) and not sender.keeps_buffers and not sender.adopts_buffers
+    sender = sender_for(engine)  # copies each view in (with adopt=True: test_embedded_engine)
+    assert isinstance(sender, InPlaceSender) and not sender.keeps_buffers and sender.adopt_into is None
     sender.check(specs_of(checkpoint))
     with no_cat():
         assert sender.send(buckets, 7) == 7 == engine.version

@@ -205,7 +205,7 @@ class BroadcastReceiver:
 
     def __init__(self, group: WeightGroup, engine):
         self.group, self.engine = group, engine
-        self.local = sender_for(engine, adopt=False)  # a bucket is checked after it lands: never in the model
+        self.local = sender_for(engine)
         self._layouts: list = []
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
         # every update (no fresh shared-memory pages to allocate and zero after the first)

@@ -85,7 +85,8 @@ class ShardingManager:
     keep_shared_buffers: for a sender whose engine is another process on CPU (`Sender.shares_buffers`
     and `keeps_buffers`: vLLM by IPC), keep one shared-memory buffer per bucket from sync to sync
     (`transport.KeptBuffers`: no fresh pages to allocate and zero after the first sync, for about the
-    model's HF bytes of host memory held between syncs); False: fresh buffers every sync.
+    model's HF bytes of host memory held between syncs); False: fresh buffers every sync. An engine
+    that takes synced buckets as its parameters brings buffers of its own (`InPlaceSender.adopt_into`).
     On CPU the transport's reusable rings (`transport.SyncBuffers`: up to 3 × bucket_bytes on a
     rollout rank by default, 2 packed shares on a sender) are kept from sync to sync too.
     host_shm: where every rank of the replica is a CPU process on one host, senders write their shards
@@ -159,8 +160,7 @@ class ShardingManager:
         import torch.distributed as dist
 
         g = self.groups
-        # room in /dev/shm for the rings (3 buckets on a rollout rank, a bucket may exceed the bound)
-        host = None if torch.cuda.is_available() else host_id(min_free_bytes=4 * max(self.bucket_bytes, 256 << 20))
+        host = None if torch.cuda.is_available() else host_id(min_free_bytes=_ring_room(self.bucket_bytes))
         mine = (g.source, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None, host)
         everyone = [None] * dist.get_world_size(g.mp_group)
         dist.all_gather_object(everyone, mine, group=g.mp_group)
@@ -197,22 +197,25 @@ class ShardingManager:
         return self.plan.hf_specs()
 
     # -- moving bytes ---------------------------------------------------------------------------
-    def iter_buckets(self, *, fresh: bool = False, shared: bool = False, adopt: bool = False) -> Iterator[FlatBucket]:
+    def iter_buckets(
+        self, *, fresh: bool = False, shared: bool = False, into: Optional[KeptBuffers] = None
+    ) -> Iterator[FlatBucket]:
         """Every rank must exhaust this; rollout ranks get each bucket as one `FlatBucket`.
 
         A bucket's buffer stays valid until the next bucket is asked for, or until the end of the
         sync with `fresh` (for consumers that keep tensors, `Sender.keeps_buffers`; with `shared`
         too and `keep_shared_buffers`, the next sync writes into the same buffers); `shared`: in
-        shared memory on CPU. `adopt` (with `fresh`): the consumer takes the buffers as its own
-        (`InPlaceSender.adopts_buffers`), so they are kept too, in private memory unless the
-        replica's other ranks write into them.
+        shared memory on CPU. `into`: buffers of the consumer's own, one per bucket, which it takes as
+        its parameters (`InPlaceSender.adopt_into`): every bucket lands there (shared memory only where
+        the replica's other ranks write into them).
         """
         plan, dims = self.plan, self.bridge.dims
         # Taken out while this sync runs (a second, overlapping iteration gets rings of its own);
         # put back only after a complete sync, and only on CPU (`SyncBuffers`).
         buffers = self._buffers.pop(shared, None) or SyncBuffers(self.prefetch, shared=shared or self.peers is not None)
         outputs = buffers.out  # the consumer is done with a bucket when it asks for the next
-        kept = self.kept if fresh and (shared or adopt) else None
+        kept = into if into is not None else self.kept if fresh and shared else None
+        fresh = fresh or into is not None
         with torch.no_grad():
             for bucket, gathered, own_row in stream_buckets(
                 plan.buckets,
@@ -266,20 +269,20 @@ class ShardingManager:
             for _ in self.iter_buckets():
                 pass
             return None
-        adopt = bool(getattr(sender, "adopts_buffers", False)) and self._can_keep_for_adoption()
-        buckets = self.iter_buckets(fresh=sender.keeps_buffers or adopt, shared=sender.shares_buffers, adopt=adopt)
+        into = getattr(sender, "adopt_into", None)  # set by the sender's check (`InPlaceSender`)
+        if into is not None and not self._room_to_adopt():
+            into = None  # the engine copies each bucket in, from the rings
+        buckets = self.iter_buckets(fresh=sender.keeps_buffers, shared=sender.shares_buffers, into=into)
         return sender.send(buckets, version)
 
-    def _can_keep_for_adoption(self) -> bool:
-        """Whether this rollout rank can keep a buffer per bucket for an engine that takes them as its
-        parameters: yes unless the replica's other ranks write into them (`peers`: shared memory) and
-        /dev/shm has no room for the whole model beside the rings (touching a page beyond it is SIGBUS).
-        Decided at the first such sync (the kept buffers then hold /dev/shm themselves)."""
-        if self.kept is None:
-            return False
+    def _room_to_adopt(self) -> bool:
+        """Whether buckets may land in an adopting engine's buffers: yes unless the replica's other ranks
+        write into them (`peers`: then they are shared memory) and /dev/shm has no room for the whole
+        model beside the rings. Decided once, at the first such sync (its buffers then hold the room)."""
         if self._adoption_fits is None:
-            rings = 4 * max(self.bucket_bytes, 256 << 20)
-            self._adoption_fits = self.peers is None or free_bytes() >= self.plan.total_bytes + rings
+            self._adoption_fits = self.peers is None or free_bytes() >= self.plan.total_bytes + _ring_room(
+                self.bucket_bytes
+            )
         return self._adoption_fits
 
     def _agree(self, check) -> None:
@@ -299,6 +302,11 @@ class ShardingManager:
         failed = [m for m in messages if m]
         if failed:
             raise WeightUpdateError(failed[0])
+
+
+def _ring_room(bucket_bytes: int) -> int:
+    """/dev/shm a rollout rank's shared rings may take: 3 buckets, and a bucket may exceed the bound."""
+    return 4 * max(bucket_bytes, 256 << 20)
 
 
 def _check(sender: Optional[Sender], specs, rank: int) -> None:

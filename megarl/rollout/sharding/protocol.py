@@ -6,7 +6,7 @@ in it, each a contiguous slice, in order), the `Sender` contract every transport
 the helpers all senders share: `bucket_tensors` (a list of HF tensors → flat buckets, the one
 bucketing of tensors that do not come from the sharding manager),
 `check_bucket` (a bucket against the announced specs), `alloc_flat` (fresh, optionally
-shared-memory buffers) and the integrity check of transports that move bytes (`checksums` on the
+shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a SIGBUS) and the integrity check of transports that move bytes (`checksums` on the
 trainer's side, `verify_bucket` on the engine's). Imports torch and `plan` only: no engine, no transport, no vLLM / Ray.
 
 One update, whatever the transport:
@@ -24,6 +24,8 @@ process), `ipc.IpcSender` (vLLM engine core in a child process), `broadcast.Broa
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
@@ -69,6 +71,8 @@ class Sender(Protocol):
 
     keeps_buffers: bool
     shares_buffers: bool
+    # optional: `adopt_into` (set by `check`): buffers of the engine's own in which every bucket must
+    # land, the engine then takes them as its parameters (`senders.InPlaceSender`)
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
         """Raise `WeightUpdateError` naming the first tensor the engine(s) cannot take; loads nothing."""
@@ -163,7 +167,29 @@ def alloc_flat(numel: int, dtype: torch.dtype, device, *, shared: bool = False) 
     # (nothing is left in /dev/shm when a process is killed), another process gets it through its fd
     # (`reduce_tensor` for vLLM workers, /proc/<pid>/fd for the replica's other ranks: `shm.ShmPeers`)
     storage = torch.UntypedStorage._new_using_fd_cpu(nbytes)
+    _reserve(storage, nbytes)
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype)
+
+
+def _reserve(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Allocate a shared segment's pages now (`fallocate` on its tmpfs file): where /dev/shm cannot hold
+    them this is a clear error, not a SIGBUS at the first write into a page beyond it (a container's
+    /dev/shm is 64 MiB unless it is given more; several processes may be filling it at once)."""
+    if nbytes == 0:
+        return
+    fd, _ = storage._share_fd_cpu_()
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            return  # a filesystem without fallocate: pages come at first touch, as before
+        free = os.statvfs("/dev/shm")
+        raise MemoryError(
+            f"no room in /dev/shm for a {nbytes / 2**20:.0f} MiB weight-sync buffer"
+            f" ({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): CPU weight syncs between processes"
+            " keep about the model's bytes there; give the container more (docker run --shm-size=8g, or"
+            " a larger /dev/shm), or use a smaller model"
+        ) from err
 
 
 def bucket_tensors(

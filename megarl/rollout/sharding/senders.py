@@ -7,8 +7,8 @@ child) gets an `ipc.IpcSender`, every other one an `InPlaceSender`. The broadcas
 servers in other processes, `broadcast.py`) is built by whoever forms the weight group.
 
 Engines are duck-typed (`check_update(specs, partial=...)`, `load(weights, version)`,
-`holds_update_tensors`, `in_process`; `adopts_update_buffers` + `load_buckets` to take kept buffers as
-parameters; `load_by_ipc` for IPC): this module imports no engine, so
+`holds_update_tensors`, `in_process`; `adopts_update(specs)`, `update_buffers` and `load_buckets` to take
+synced buckets as parameters; `load_by_ipc` for IPC): this module imports no engine, so
 `base.py` can use it without an import circle.
 """
 
@@ -24,36 +24,40 @@ from megarl.rollout.sharding.protocol import FlatBucket, Sender, announced, chec
 class InPlaceSender:
     """An engine in this process: each bucket's tensors, as views, go straight into its loading.
 
-    An engine that `adopts_update_buffers` (the embedded engine on CPU) gets the buckets themselves
-    (`load_buckets`); where the sharding manager can keep a buffer per bucket from sync to sync
-    (`adopts_buffers`: `ShardingManager.sync` decides), the engine takes those buffers as its
-    parameters: from the second sync on the ranks write into the model and nothing is copied at the
-    engine.
+    `adopt` (a sharding manager's syncs): where the engine can (`adopts_update(specs)`: the embedded
+    engine on CPU, a dense model in the engine's dtype), `check` sets `adopt_into` to the engine's own
+    buffers (`update_buffers`); the manager then lands every bucket there and the engine takes them as
+    its parameters (`load_buckets`): from the second sync on the ranks write into the model and
+    nothing is copied at the engine.
     """
 
-    def __init__(self, engine, *, adopt: bool = True):
+    shares_buffers = False
+
+    def __init__(self, engine, *, adopt: bool = False):
         self.engine = engine
-        self.adopts_buffers = adopt and bool(getattr(engine, "adopts_update_buffers", False))
+        self.adopt = adopt and hasattr(engine, "load_buckets")
         self.keeps_buffers = bool(getattr(engine, "holds_update_tensors", False))
-        self.shares_buffers = False
+        self.adopt_into = None
         self._announced = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
-        self._announced = None
+        self._announced, self.adopt_into = None, None
         self.engine.check_update(specs, partial=partial)
         self._announced = announced(specs)
+        if self.adopt and not partial and self.engine.adopts_update(specs):
+            self.adopt_into = self.engine.update_buffers
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
-        if self.adopts_buffers:
+        if self.adopt_into is not None:
             return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
         return self.engine.load(checked_tensors(buckets, self._announced), version)
 
 
-def sender_for(engine, *, verify: bool = True, adopt: bool = True) -> Sender:
+def sender_for(engine, *, verify: bool = True, adopt: bool = False) -> Sender:
     """The sender that moves flat buckets into `engine`: IPC when its model is in another process (its
     buckets checked on arrival unless `verify` is False); in place, where nothing travels, otherwise
-    (`adopt`: an engine that can may take the sharding manager's kept buffers as its parameters; for
-    the sharding manager's syncs, not for buckets that are received, checked and then loaded)."""
+    (`adopt`, for a sharding manager's syncs: an engine that can takes the synced buckets as its
+    parameters, `InPlaceSender`)."""
     if getattr(engine, "in_process", True):
         return InPlaceSender(engine, adopt=adopt)
     return IpcSender(engine, verify=verify)

@@ -251,26 +251,27 @@ class KeptBuffers:
     For consumers in another process that keep a bucket's buffer until the end of an update (vLLM's
     reload; shared memory): within one update every bucket still has a buffer of its own, but the
     next update writes into the same ones: no fresh shared-memory pages to allocate and zero every
-    sync (the consumer maps pages that already exist). For an engine that adopts them as its
-    parameters (`InPlaceSender.adopts_buffers`; shared memory only where the replica's other ranks
-    write into them): every later sync writes straight into the model. The price: the buffers stay
+    sync (the consumer maps pages that already exist). An engine that takes synced buckets as its
+    parameters owns a set of its own (`EmbeddedEngine.update_buffers`; shared memory only where the
+    replica's other ranks write into them): every later sync writes straight into the model. The
+    price: the buffers stay
     allocated (about the model's HF bytes). CPU only; on other devices `take` hands out a fresh
     buffer each time.
     """
 
     def __init__(self):
-        self.buffers: dict = {}
+        self.buffers: dict = {}  # (key, shared) → buffer
 
     def take(self, key, numel: int, dtype: torch.dtype, device, *, shared: bool = True) -> torch.Tensor:
-        """The buffer kept for `key` ([numel] of `dtype`); `shared`: in shared memory (a new one the
-        first time, or when it must grow)."""
+        """The buffer kept for `key` ([numel] of `dtype`); `shared`: one in shared memory (kept apart from
+        a private one of the same key: syncs over two transports alternate without reallocating)."""
         device = torch.device(device)
         if device.type != "cpu":
             return alloc_flat(numel, dtype, device)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        buf = self.buffers.get(key)
+        buf = self.buffers.get((key, shared))
         if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[key] = alloc_flat(nbytes, torch.uint8, device, shared=shared)
+            buf = self.buffers[(key, shared)] = alloc_flat(nbytes, torch.uint8, device, shared=shared)
         return buf[:nbytes].view(dtype)
 
     @property
