@@ -123,7 +123,7 @@ class ShardingManager:
         self.metadata_exchanges = 0
         self.host_shm = host_shm
         self.peers: Optional[ShmPeers] = None  # set by the plan: every rank of the replica on this CPU host
-        self._adoption_fits: Optional[bool] = None  # `_can_keep_for_adoption`, decided once
+        self._adoption_fits: Optional[bool] = None  # `_room_to_adopt`, decided once
 
     def _local_params(self, chunks) -> dict:
         from megarl.models.spec import layer_offset

@@ -254,9 +254,8 @@ class KeptBuffers:
     sync (the consumer maps pages that already exist). An engine that takes synced buckets as its
     parameters owns a set of its own (`EmbeddedEngine.update_buffers`; shared memory only where the
     replica's other ranks write into them): every later sync writes straight into the model. The
-    price: the buffers stay
-    allocated (about the model's HF bytes). CPU only; on other devices `take` hands out a fresh
-    buffer each time.
+    price: the buffers stay allocated (about the model's HF bytes). CPU only; on other devices
+    `take` hands out a fresh buffer each time.
     """
 
     def __init__(self):
