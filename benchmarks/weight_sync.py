@@ -14,8 +14,8 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
   * gather-gloo, in-process-gloo — the same over gloo messages, one per TP rank and bucket
                  (`ShardingManager(host_shm=False)`, the transport of ranks on several hosts);
   * in-process — `ShardingManager.sync(InPlaceSender(engine, adopt=True))` into an embedded (`transformers`)
-                 engine in rank 0: the engine took the manager's kept buffers as its parameters at
-                 its first sync (`EmbeddedEngine.load_buckets`), so a sync writes into the model;
+                 engine in rank 0: a sync lands in the engine's own buffers, which it took as its
+                 parameters at its first sync (`EmbeddedEngine.load_buckets`): it writes the model;
   * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
                  child process of rank 0): each bucket's shared-memory buffer crosses by handle as it
                  is and vLLM's `reload_weights` loads it, the only copy on the way; the buffers are

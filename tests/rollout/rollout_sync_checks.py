@@ -161,9 +161,9 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
             if backend == "embedded":
                 out["engine_equals_reference"] = all(torch.equal(engine._params[n], t) for n, t in reference.items())
                 # the engine's parameters are the manager's kept buffers: later syncs wrote into the model
-                out["params_in_kept"] = sum(
-                    any(_within(t, b) for b in kept.buffers.values()) for t in engine._params.values()
-                ) / len(engine._params)
+                out["params_in_kept"] = sum(within(t, kept.buffers.values()) for t in engine._params.values()) / len(
+                    engine._params
+                )
             out["final_versions"] = {c.version for cs in snaps["resynced"][0] for c in cs}
     finally:
         if engine is not None and hasattr(engine, "shutdown"):
@@ -172,10 +172,10 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     return out
 
 
-def _within(tensor, buffer) -> bool:
-    """Whether `tensor`'s memory lies inside `buffer`'s."""
-    start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.numel() * tensor.element_size() <= start + size
+def within(tensor, buffers) -> bool:
+    """Whether `tensor`'s memory lies wholly inside one of `buffers` (a view, not a copy)."""
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return any(b.data_ptr() <= start and end <= b.data_ptr() + b.numel() * b.element_size() for b in buffers)
 
 
 def ep_sync_rank(actor_path, engine_path, layout, sequences):

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from rollout_sync_checks import within
 from safetensors.torch import load_file
 
 from megarl.rollout import WeightUpdateError
@@ -50,11 +51,6 @@ def engine_equals(engine, weights):
     return all(torch.equal(engine._params[n], t) for n, t in weights)
 
 
-def inside(tensor, buffers):
-    start = tensor.data_ptr()
-    return any(b.data_ptr() <= start < b.data_ptr() + b.numel() * b.element_size() for b in buffers)
-
-
 def test_bucket_tensors_are_flat_contiguous_and_in_order(checkpoint):
     weights = checkpoint + [("extra.half", torch.ones(3, dtype=torch.float16))]
     buckets = list(bucket_tensors(weights, 100_000))
@@ -78,7 +74,7 @@ def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkey
     with no_cat():
         assert sender.send(buckets, 7) == 7 == engine.version
     assert engine_equals(engine, checkpoint)
-    assert len(seen) == len(checkpoint) and all(inside(t, [b.buffer for b in buckets]) for t in seen)  # no copy
+    assert len(seen) == len(checkpoint) and all(within(t, [b.buffer for b in buckets]) for t in seen)  # no copy
 
 
 def test_rejected_update_loads_nothing_and_keeps_the_version(engine, checkpoint):

@@ -6,8 +6,10 @@ in it, each a contiguous slice, in order), the `Sender` contract every transport
 the helpers all senders share: `bucket_tensors` (a list of HF tensors → flat buckets, the one
 bucketing of tensors that do not come from the sharding manager),
 `check_bucket` (a bucket against the announced specs), `alloc_flat` (fresh, optionally
-shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a SIGBUS) and the integrity check of transports that move bytes (`checksums` on the
-trainer's side, `verify_bucket` on the engine's). Imports torch and `plan` only: no engine, no transport, no vLLM / Ray.
+shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a
+SIGBUS) and the integrity check of transports that move bytes (`checksums` on the trainer's side,
+`verify_bucket` on the engine's). Imports torch, `plan` and `shm` only: no engine, no transport,
+no vLLM / Ray.
 
 One update, whatever the transport:
 
@@ -32,6 +34,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Sequence
 import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
+from megarl.rollout.sharding.shm import free_bytes
 
 
 class WeightUpdateError(ValueError):
@@ -183,10 +186,9 @@ def _reserve(storage: torch.UntypedStorage, nbytes: int) -> None:
     except OSError as err:
         if err.errno != errno.ENOSPC:
             return  # a filesystem without fallocate: pages come at first touch, as before
-        free = os.statvfs("/dev/shm")
         raise MemoryError(
             f"no room in /dev/shm for a {nbytes / 2**20:.0f} MiB weight-sync buffer"
-            f" ({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): CPU weight syncs between processes"
+            f" ({free_bytes() / 2**20:.0f} MiB free): CPU weight syncs between processes"
             " keep about the model's bytes there; give the container more (docker run --shm-size=8g, or"
             " a larger /dev/shm), or use a smaller model"
         ) from err
