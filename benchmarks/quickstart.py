@@ -6,7 +6,8 @@
     python benchmarks/quickstart.py --tool           # the tool quickstart (agent loop + calculator)
     python benchmarks/quickstart.py --seeds 1 --run-dir runs/bench_qs trainer.total_steps=50   # overrides pass through
 
-Each seed is a whole quickstart: its own tiny model, data split, warm-up and trainer seed. Per seed it
+Each seed is a whole quickstart: its own tiny model, data split, warm-up (`--rebuild`: built again even
+where an earlier run left it) and trainer seed. Per seed it
 prints the greedy validation accuracy before training (the baseline: the same run's step-0
 validation) and after, the rise, the share of prompt groups without reward variance over the first
 and last 10 steps, and the seconds of the training command alone (setup and warm-up excluded).
@@ -86,7 +87,8 @@ def run_timed(command: list[str], what: str) -> tuple[subprocess.CompletedProces
 
 def run_seed(seed: int, run_dir: str, algo: str, overrides: list[str]) -> dict:
     """One whole quickstart; its validation before/after, training seconds and phase shares."""
-    command = ["bash", *SCRIPTS[algo], "--seed", str(seed), run_dir, *overrides]
+    # --rebuild: the warm-up runs even when an earlier run left a current one (the whole script's time includes it)
+    command = ["bash", *SCRIPTS[algo], "--seed", str(seed), "--rebuild", run_dir, *overrides]
     proc, wall = run_timed(command, f"quickstart (seed {seed})")
     rows = read_metrics(REPO / run_dir / "metrics.jsonl")
     summary = validation_summary(rows)

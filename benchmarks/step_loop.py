@@ -5,7 +5,7 @@
     python benchmarks/step_loop.py --steps 50 --rounds 2 --seed 1
 
 Both sides train the quickstart's model (`scripts/prepare_quickstart.py --seed SEED`, run first: the
-tiny Qwen2 after its SFT warm-up; `--no-prepare` reuses `runs/quickstart/model`) on the same data with the same
+tiny Qwen2 after its SFT warm-up; reused when the last one of that seed is current) on the same data with the same
 GRPO step (configs/grpo_quickstart.yaml: 32 prompts × 8 samples, temperature 1, at most 4 response
 tokens, exact-answer reward, GRPO advantages, PPO-clip token-mean loss, AdamW lr 1e-3 with 2 warm-up
 steps and cosine decay to 1e-4, grad clip 1.0):
@@ -267,12 +267,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=1, help="alternating reference/megarl rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the reference")
     parser.add_argument("--run-dir", default="runs/bench_step_loop")
-    parser.add_argument("--no-prepare", action="store_true", help="reuse the quickstart model and data already there")
     args = parser.parse_args(argv)
-    if not args.no_prepare or not (REPO / MODEL / "config.json").is_file():
-        print(f"writing the quickstart model and data of seed {args.seed} ({MODEL}, {DATA}) ...", flush=True)
-        prepare = [sys.executable, "scripts/prepare_quickstart.py", "--model", MODEL, "--data", DATA]
-        subprocess.run([*prepare, "--seed", str(args.seed)], cwd=REPO, check=True, capture_output=True)
+    prepare = ["scripts/prepare_quickstart.py", f"--model={MODEL}", f"--data={DATA}", f"--seed={args.seed}"]
+    done = subprocess.run([sys.executable, *prepare], cwd=REPO, check=True, capture_output=True, text=True)
+    print(*(line for line in done.stdout.splitlines() if line.startswith("[prepare]")), sep="\n", flush=True)
     print(f"{args.steps} steps, seed {args.seed}; machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True)
     refs, megs = [], []
     for i in range(args.rounds):

@@ -12,6 +12,9 @@
    right sum in about a third of its samples, so most GRPO groups have reward variance. The reward
    (exact answer) is what tells the two apart: RL removes the habit, imitation cannot.
 The greedy test accuracy and the share of greedy answers off by one are printed.
+
+A second run with the same arguments, code and libraries reuses the model and data when neither was
+changed since (`megarl.utils.prepared`: a marker in the model directory; `--force` rebuilds).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 TASK = dict(num_operands=3, max_operand=9, chat=False)
 
 
@@ -49,11 +53,18 @@ def parse_args(argv):
         "--teacher-error", type=float, default=0.7, help="share of warm-up answers off by one (0: a clean teacher)"
     )
     parser.add_argument("--seed", type=int, default=0, help="model init, data and warm-up")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the last build is current")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from megarl.utils.prepared import MARKER, PreparedCache
+
+    cache = PreparedCache(Path(args.model) / MARKER, script=__file__, args=args, inputs=[REPO / "megarl"])
+    if not args.force and (hit := cache.load()) is not None:
+        print(f"[prepare] {hit['summary']}; reused: built earlier from the same arguments and code (--force rebuilds)")
+        return hit["results"]
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync (10x slower when cores are busy)
@@ -79,13 +90,14 @@ def main(argv=None) -> dict:
     accuracy = sum(a == r["ground_truth"] for a, r in zip(answers, test_rows)) / len(test_rows)
     off_by_one = sum(a == str(int(r["ground_truth"]) + 1) for a, r in zip(answers, test_rows)) / len(test_rows)
     loss = f", final loss {losses[-1]:.3f}" if losses else ""
-    print(
-        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
+    summary = (
+        f"tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up {args.sft_steps} steps{loss};"
         f" greedy test accuracy {accuracy:.2f}, answers off by one {off_by_one:.2f}"
-        f" ({time.perf_counter() - start:.0f} s)",
-        flush=True,
     )
-    return {"model": args.model, **paths, "sft_accuracy": accuracy, "sft_off_by_one": off_by_one}
+    print(f"[prepare] {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
+    results = {"model": args.model, **paths, "sft_accuracy": accuracy, "sft_off_by_one": off_by_one}
+    cache.save(results, summary, outputs=[Path(args.model), *map(Path, paths.values())])
+    return results
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@
    product with one digit wrong). The policy ends up calling in its greedy first turn on 40-70% of
    the problems and guessing on the rest; RL on the exact answer shifts it to calling.
 The share of greedy first turns that call the tool is printed (greedy decoding with transformers).
+
+A second run with the same arguments, code and libraries reuses the model and data when neither was
+changed since (`megarl.utils.prepared`: a marker in the model directory; `--force` rebuilds).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def parse_args(argv):
         help="share of demonstrations that call the calculator (the rest guess)",
     )
     parser.add_argument("--seed", type=int, default=0, help="model init, data and warm-up")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the last build is current")
     return parser.parse_args(argv)
 
 
@@ -88,6 +92,13 @@ def first_turn_calls(model: str, rows, tok, schemas) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from megarl.utils.prepared import MARKER, PreparedCache
+
+    inputs = [REPO / "megarl", TOOLS_YAML]
+    cache = PreparedCache(Path(args.model) / MARKER, script=__file__, args=args, inputs=inputs)
+    if not args.force and (hit := cache.load()) is not None:
+        print(f"[prepare] {hit['summary']}; reused: built earlier from the same arguments and code (--force rebuilds)")
+        return hit["results"]
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync
@@ -121,14 +132,15 @@ def main(argv=None) -> dict:
             )
     copies = exact_share(AutoModelForCausalLM.from_pretrained(args.model), held_out)
     calls = first_turn_calls(args.model, test_rows, tok, schemas)
-    print(
-        f"[prepare] tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up"
+    summary = (
+        f"tiny Qwen2 at {args.model}, data at {args.data}; SFT warm-up"
         f" {len(done.get('calls', []))} steps on calls + {len(done.get('mix', []))} on the mix;"
-        f" held-out calls and answers copied exactly {copies:.2f}; greedy first turns that call the tool"
-        f" {calls:.2f} ({time.perf_counter() - start:.0f} s)",
-        flush=True,
+        f" held-out calls and answers copied exactly {copies:.2f}; greedy first turns that call the tool {calls:.2f}"
     )
-    return {"model": args.model, **paths, "sft_first_turn_calls": calls, "copied": copies}
+    print(f"[prepare] {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
+    results = {"model": args.model, **paths, "sft_first_turn_calls": calls, "copied": copies}
+    cache.save(results, summary, outputs=[Path(args.model), *map(Path, paths.values())])
+    return results
 
 
 if __name__ == "__main__":

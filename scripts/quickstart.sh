@@ -3,9 +3,11 @@
 # greedy validation accuracy clearly climbs (a 3-minute budget of training on 2 idle cores), and shows where
 # the reward plot is.
 #
-#   bash scripts/quickstart.sh [--ppo] [--seed N] [RUN_DIR] [dotted.overrides ...]
+#   bash scripts/quickstart.sh [--ppo] [--seed N] [--rebuild] [RUN_DIR] [dotted.overrides ...]
 #       --ppo     PPO (GAE + critic, configs/ppo_quickstart.yaml) instead of GRPO
 #       --seed N  model init, data, warm-up and trainer seed (default 0)
+#       --rebuild the model, data and warm-up again even when the last ones are current (same
+#                 seed, code and libraries: they are reused, megarl.utils.prepared)
 #       RUN_DIR   default runs/grpo_quickstart (runs/ppo_quickstart with --ppo)
 #
 # Steps: setup (.venv; idempotent) → tiny model + tokenizer + task (sums of three digits, 200 held-out
@@ -16,10 +18,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ALGO=grpo
 SEED=0
+REBUILD=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --ppo) ALGO=ppo; shift ;;
     --seed) SEED=${2:?--seed needs a number}; shift 2 ;;
+    --rebuild) REBUILD=(--force); shift ;;
     *) break ;;
   esac
 done
@@ -27,7 +31,7 @@ bash scripts/setup.sh
 RUN_DIR=${1:-runs/${ALGO}_quickstart}
 shift || true
 PY=.venv/bin/python
-"$PY" scripts/prepare_quickstart.py --model runs/quickstart/model --data data/arithmetic --seed "$SEED"
+"$PY" scripts/prepare_quickstart.py --model runs/quickstart/model --data data/arithmetic --seed "$SEED" "${REBUILD[@]}"
 rm -rf "$RUN_DIR"  # a fresh run each time (trainer.resume=auto would continue the previous one)
 start=$(date +%s)
 "$PY" -m megarl.cli train --config "configs/${ALGO}_quickstart.yaml" trainer.run_dir="$RUN_DIR" \

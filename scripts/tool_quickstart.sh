@@ -2,8 +2,10 @@
 # The tool-use quickstart: a tiny Qwen2 learns with GRPO, through the tool agent loop, that products
 # like "964*59=" pay only when it asks the calculator (CPU, 2 worker processes).
 #
-#   bash scripts/tool_quickstart.sh [--seed N] [RUN_DIR] [dotted.overrides ...]
+#   bash scripts/tool_quickstart.sh [--seed N] [--rebuild] [RUN_DIR] [dotted.overrides ...]
 #       --seed N  model init, data, warm-up and trainer seed (default 0)
+#       --rebuild the model, data and warm-up again even when the last ones are current (same
+#                 seed, code and libraries: they are reused, megarl.utils.prepared)
 #       RUN_DIR   default runs/tool_quickstart
 #
 # Steps: setup (.venv; idempotent) → tiny model whose tokenizer renders tools compactly + the task
@@ -13,9 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEED=0
+REBUILD=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seed) SEED=${2:?--seed needs a number}; shift 2 ;;
+    --rebuild) REBUILD=(--force); shift ;;
     *) break ;;
   esac
 done
@@ -23,7 +27,7 @@ bash scripts/setup.sh
 RUN_DIR=${1:-runs/tool_quickstart}
 shift || true
 PY=.venv/bin/python
-"$PY" scripts/prepare_tool_quickstart.py --model runs/tool_quickstart/model --data data/tool_arithmetic --seed "$SEED"
+"$PY" scripts/prepare_tool_quickstart.py --model runs/tool_quickstart/model --data data/tool_arithmetic --seed "$SEED" "${REBUILD[@]}"
 rm -rf "$RUN_DIR"  # a fresh run each time
 start=$(date +%s)
 "$PY" -m megarl.cli train --config configs/tool_agent_quickstart.yaml trainer.run_dir="$RUN_DIR" \
