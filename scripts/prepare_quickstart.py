@@ -62,9 +62,8 @@ def main(argv=None) -> dict:
     from megarl.utils.prepared import MARKER, PreparedCache
 
     cache = PreparedCache(Path(args.model) / MARKER, script=__file__, args=args, inputs=[REPO / "megarl"])
-    if not args.force and (hit := cache.load()) is not None:
-        print(f"[prepare] {hit['summary']}; reused: built earlier from the same arguments and code (--force rebuilds)")
-        return hit["results"]
+    if (reused := cache.reuse(args.force)) is not None:
+        return reused
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync (10x slower when cores are busy)

@@ -96,9 +96,8 @@ def main(argv=None) -> dict:
 
     inputs = [REPO / "megarl", TOOLS_YAML]
     cache = PreparedCache(Path(args.model) / MARKER, script=__file__, args=args, inputs=inputs)
-    if not args.force and (hit := cache.load()) is not None:
-        print(f"[prepare] {hit['summary']}; reused: built earlier from the same arguments and code (--force rebuilds)")
-        return hit["results"]
+    if (reused := cache.reuse(args.force)) is not None:
+        return reused
     import torch
 
     torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync

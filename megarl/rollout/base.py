@@ -31,7 +31,9 @@ leaves weights of two versions in the model, so the engine ends its in-flight re
 outputs, finish_reason "abort": nothing is lost) and refuses new ones until an update succeeds.
 `update_weights(list of (HF name, tensor))` is the convenience entry for tests and tools: it runs
 the same protocol with the engine's own sender (`sender_for`). A caller may also `pause(mode)` and
-`resume()` around an update itself (engine servers do, so all engines switch together).
+`resume()` around an update itself (engine servers do, so all engines switch together). A backend may
+pause an engine with nothing in flight by holding new requests in megarl (`hold_requests`; `abort`
+ends a held one at once, without tokens) instead of a round trip to its engine.
 
 Log-probs (the temperature contract): a completion's log-probs are those of the distribution each
 token was sampled from — log_softmax(logits / temperature), restricted to the top-k / top-p set

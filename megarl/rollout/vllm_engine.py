@@ -12,7 +12,9 @@ and thread environment; on CPU a forked core, eager helpers, plain linear weight
 Weight updates travel as IPC buckets (`sharding/ipc.py`: `IpcSender`, and `MegarlWorkerExtension`,
 installed as vLLM's `worker_extension_cls`; shared memory on CPU, CUDA IPC on GPU), to every
 vLLM worker, each loading its slice: `updating` pauses the engine (`update_mode`; "keep" with the
-caches cleared, so frozen requests recompute their KV on the new weights when they resume), the
+caches cleared, so frozen requests recompute their KV on the new weights when they resume; with
+nothing in flight vLLM is not paused at all: new requests wait in megarl, `hold_requests`, and the
+caches are cleared while the buckets load), the
 workers load the buckets (a CPU engine's linears keep plain weights, `vllm_patches.plain_cpu_linear_weights`:
 without MoE experts the model's own weight loaders copy the buckets in, `loads_in_place`; otherwise streamed into ONE `reload_weights` call followed by the re-pack fixes of
 `megarl.rollout.vllm_patches`), then the engine core's weight version is set — vLLM labels every

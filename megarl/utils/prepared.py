@@ -5,15 +5,15 @@ a minute (the tool quickstart: minutes) of CPU on a warm-up whose result their i
 quickstart (PPO after GRPO, another config) reuses it:
 
     cache = PreparedCache(Path(args.model) / MARKER, script=__file__, args=args, inputs=[REPO / "megarl"])
-    if not args.force and (hit := cache.load()) is not None:
-        return hit["results"]
+    if (results := cache.reuse(args.force)) is not None:
+        return results
     ...build...
     cache.save(results, summary, outputs=[model_dir, train_file, test_file])
 
-The key is the script's arguments (`paths`, the ones naming files or directories, made absolute:
-the same relative path from another directory is another place; `force` left out), the bytes of the script and of
-every file under `inputs`, and the versions of Python and of the libraries a build runs on
-(`LIBRARIES`). The marker, written last and atomically, holds the key, the sha256 of every output
+The key is the script's arguments (`force` left out; `paths`, the ones naming files or directories,
+made absolute: the same relative path from another directory is another place), the bytes of the
+script and of every file under `inputs`, and the versions of Python and of the libraries a build runs
+on (`LIBRARIES`). The marker, written last and atomically, holds the key, the sha256 of every output
 file and what the script reported. It is stale when the key differs or any recorded file changed or
 went; a build that stops midway leaves no marker (the script deletes the old outputs first).
 Only the standard library is imported.
@@ -76,6 +76,16 @@ class PreparedCache:
             if not Path(path).is_file() or _file_digest(Path(path)) != digest:
                 return None
         return record
+
+    def reuse(self, force: bool = False) -> Optional[dict]:
+        """The results recorded with current outputs, after printing their summary; None (build) if stale or `force`."""
+        record = None if force else self.load()
+        if record is None:
+            return None
+        print(
+            f"[prepare] {record['summary']}; reused: built earlier from the same arguments and code (--force rebuilds)"
+        )
+        return record["results"]
 
     def save(self, results: dict, summary: str, outputs: Iterable[Path]) -> None:
         """Record the outputs (files, or directories: every file under them but the marker) as current."""
