@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import json
 import uuid
 import weakref
@@ -152,17 +151,31 @@ class VLLMEngine(RolloutEngine):
         return version
 
     async def _set_version(self, version: int) -> None:
-        clearing, self._clearing = self._clearing, None
-        if clearing is not None:  # an idle pause's cache clearing must be done before requests run again
-            await clearing
+        if self._held_idle:  # after an idle pause's load: no KV or media computed by the old weights survives
+            await self._caches_cleared()
         await self.llm.update_weight_version(str(version))
 
-    async def _clear_caches(self) -> None:
-        """What vLLM's pause with clear_cache drops (the KV and media caches the old weights computed)."""
-        calls = [self.llm.reset_prefix_cache(reset_connector=True)]
+    async def _caches_cleared(self) -> None:
+        """The idle pause's cache clearing (started with the pause, so it ran with the load), checked; cleared
+        again when it found blocks in use or when this is a later update within the same pause."""
+        clearing, self._clearing = self._clearing, None
+        if clearing is not None and await clearing:
+            return
+        if not await self._clear_caches(running=True):
+            raise RuntimeError(
+                "vLLM could not clear its prefix cache after the weight update (a KV connector that cannot"
+                " reset, or blocks still in use), so requests could reuse KV computed by the old weights"
+            )
+
+    async def _clear_caches(self, running: bool = False) -> bool:
+        """What vLLM's pause with clear_cache drops (the KV and media caches the old weights computed);
+        False when vLLM found prefix-cache blocks in use (`running`: running requests give theirs up too)."""
+        reset = self.llm.reset_prefix_cache(reset_running_requests=running, reset_connector=True)
+        media = []
         if getattr(self.llm.model_config, "is_multimodal_model", True):  # text models have no media caches
-            calls += [self.llm.reset_mm_cache(), self.llm.reset_encoder_cache()]
-        await asyncio.gather(*calls)
+            media = [self.llm.reset_mm_cache(), self.llm.reset_encoder_cache()]
+        cleared, *_ = await asyncio.gather(reset, *media)
+        return bool(cleared)
 
     def sleep(self) -> None:
         if self.on_gpu:
@@ -199,11 +212,14 @@ class VLLMEngine(RolloutEngine):
         await self.llm.abort(request_ids)
 
     async def _pause(self, mode):
-        if not self._requests:
-            # Nothing in flight (a colocated sync between rollouts): new requests wait in megarl
-            # (`hold_requests`), so no forward pass runs until `_resume`, and the caches are cleared
-            # meanwhile (nothing fills them while requests wait; the version stamp waits for it). Saves the
-            # pause's and the resume's round trips to the core.
+        if not self._requests and not _unfinished(self.llm):
+            # Nothing in flight (a colocated sync between rollouts; the output processor also sees requests
+            # megarl does not track: scores, greedy copies): new requests wait in megarl (`hold_requests`),
+            # so no new forward pass starts until `_resume`, and the caches are cleared meanwhile (nothing
+            # fills them while requests wait; the version stamp checks it). Saves the pause's and the
+            # resume's round trips to the core. Unlike vLLM's pause this does not wait for the device: a step
+            # the core may still run for requests that just ended was queued before the load, which the same
+            # worker thread (and CUDA stream) runs after it.
             self._held_idle = True
             self.hold_requests()
             self._clearing = asyncio.ensure_future(self._clear_caches())
@@ -226,10 +242,9 @@ class VLLMEngine(RolloutEngine):
     async def _resume(self):
         if self._held_idle:
             clearing, self._clearing, self._held_idle = self._clearing, None, False
-            if clearing is not None:  # no update committed: the weights, so the caches, are still valid
-                with contextlib.suppress(Exception):
-                    await clearing
             self.release_requests()
+            if clearing is not None:  # no update committed (the weights, so the caches, are still valid)
+                clearing.add_done_callback(_retrieve)
             return
         await self.llm.resume_generation()
 
@@ -245,18 +260,26 @@ class VLLMEngine(RolloutEngine):
         )
 
         async def one(seq):
-            final, request_id = None, f"score-{uuid.uuid4().hex}"
+            final = None
             while self._held is not None:  # an update of the idle engine is under way (`_pause`)
                 await self._held.wait()
-            self._requests[request_id] = None  # in flight: an update meanwhile pauses vLLM itself
-            try:
-                async for output in self.llm.generate({"prompt_token_ids": seq}, params, request_id):
-                    final = output
-            finally:
-                self._requests.pop(request_id, None)
+            async for output in self.llm.generate({"prompt_token_ids": seq}, params, f"score-{uuid.uuid4().hex}"):
+                final = output
             return [pos[tok].logprob for pos, tok in zip(final.prompt_logprobs[1:], seq[1:])]
 
         return list(await asyncio.gather(*(one(s) for s in sequences)))
+
+
+def _unfinished(llm) -> bool:
+    """Whether vLLM's client has requests in flight (True when this vLLM does not say: pause it then)."""
+    outputs = getattr(llm, "output_processor", None)
+    return outputs is None or outputs.has_unfinished_requests()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Done-callback of a future nobody awaits: its exception counts as retrieved (no warning at exit)."""
+    if not future.cancelled():
+        future.exception()
 
 
 REQUIRED_APIS = ("update_weight_version", "pause_generation", "resume_generation", "collective_rpc")

@@ -335,6 +335,48 @@ def test_an_update_of_an_idle_engine_holds_requests_in_megarl_and_clears_the_cac
     assert engine.num_requests == 0 and not engine.paused
 
 
+def test_an_idle_update_whose_cache_reset_vllm_refuses_clears_again_or_fails_loudly(
+    engine, rollout_models, monkeypatch
+):
+    """vLLM answers False when prefix-cache blocks are in use (or a KV connector cannot reset): the update clears
+    again after the load, giving running requests' blocks up too; when that is refused as well, the update fails
+    naming the cause and the engine refuses requests (no KV of the old weights is ever served as the new version)."""
+    from rollout_api_checks import checkpoint, greedy
+
+    old, new = checkpoint(rollout_models["qwen2_other"]), checkpoint(rollout_models["qwen2"])
+    prompt = [3 + (i * 11) % 90 for i in range(140)]
+    engine.update_weights(new)
+    on_new = engine.generate_sync([prompt], greedy(8))[0][0].token_ids
+    real, asked = engine.llm.reset_prefix_cache, []
+
+    def refusing(until_running: bool):
+        async def reset(reset_running_requests=False, reset_connector=False):
+            asked.append(reset_running_requests)
+            if until_running and reset_running_requests:
+                return await real(reset_running_requests, reset_connector)
+            return False
+
+        return reset
+
+    for until_running in (True, False):
+        engine.update_weights(old)
+        engine.generate_sync([prompt], greedy(8))  # the old weights' KV is in the prefix cache again
+        asked.clear()
+        monkeypatch.setattr(engine.llm, "reset_prefix_cache", refusing(until_running))
+        if until_running:
+            engine.update_weights(new)
+            after = engine.generate_sync([prompt], greedy(8))[0][0]
+            assert asked == [False, True] and after.num_cached_tokens == 0 and after.token_ids == on_new
+        else:
+            with pytest.raises(RuntimeError, match="could not clear its prefix cache"):
+                engine.update_weights(new)
+            with pytest.raises(RuntimeError, match="refuses requests until an update succeeds"):
+                engine.generate_sync([prompt], greedy(8))
+        monkeypatch.setattr(engine.llm, "reset_prefix_cache", real)
+    engine.update_weights(old)  # a good update repairs the engine
+    assert engine.broken is None and len(engine.generate_sync([prompt], greedy(8))[0][0].token_ids) == 8
+
+
 @pytest.mark.parametrize(
     "start, on_gpu, expected", [("fork", False, "fork"), ("spawn", False, None), ("fork", True, None)]
 )
