@@ -91,7 +91,6 @@ class VLLMEngine(RolloutEngine):
         if update_bucket_bytes is not None:
             self.update_bucket_bytes = update_bucket_bytes
         self.model_path = str(model_path)
-        self._held_idle = False  # paused with nothing in flight: requests wait in megarl, vLLM was not paused
         self._clearing: Optional[asyncio.Future] = None  # the idle pause's cache clearing, until awaited
         self.on_gpu = torch.cuda.is_available()
         self.ipc_workers = tensor_parallel_size
@@ -151,7 +150,7 @@ class VLLMEngine(RolloutEngine):
         return version
 
     async def _set_version(self, version: int) -> None:
-        if self._held_idle:  # after an idle pause's load: no KV or media computed by the old weights survives
+        if self._held is not None:  # after an idle pause's load: no KV or media computed by the old weights survives
             await self._caches_cleared()
         await self.llm.update_weight_version(str(version))
 
@@ -220,8 +219,7 @@ class VLLMEngine(RolloutEngine):
             # resume's round trips to the core. Unlike vLLM's pause this does not wait for the device: a step
             # the core may still run for requests that just ended was queued before the load, which the same
             # worker thread (and CUDA stream) runs after it.
-            self._held_idle = True
-            self.hold_requests()
+            self.hold_requests()  # `_held` now marks this pause as the idle one (`_set_version`, `_resume`)
             self._clearing = asyncio.ensure_future(self._clear_caches())
             return
         # clear_cache: kept requests give up their KV and recompute it (on the new weights) after resume;
@@ -240,8 +238,8 @@ class VLLMEngine(RolloutEngine):
         await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def _resume(self):
-        if self._held_idle:
-            clearing, self._clearing, self._held_idle = self._clearing, None, False
+        if self._held is not None:  # an idle pause
+            clearing, self._clearing = self._clearing, None
             self.release_requests()
             if clearing is not None:  # no update committed (the weights, so the caches, are still valid)
                 clearing.add_done_callback(_retrieve)

@@ -92,8 +92,7 @@ class PreparedCache:
         files = {}
         for output in outputs:
             output = Path(output).resolve()
-            paths = sorted(p for p in output.rglob("*") if p.is_file()) if output.is_dir() else [output]
-            files.update({str(p): _file_digest(p) for p in paths if p.name != MARKER})
+            files.update({str(p): _file_digest(p) for p in _files(output) if p.name != MARKER})
         record = {"key": self.key, "files": files, "results": results, "summary": summary}
         tmp = self.marker.with_name(f"{self.marker.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record, indent=1, default=str))
@@ -116,13 +115,17 @@ def _digest(paths: Iterable[Path]) -> str:
     sha = hashlib.sha256()
     for root in paths:
         root = Path(root)
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-        for path in files:
+        for path in _files(root):
             if "__pycache__" in path.parts or path.suffix == ".pyc":
                 continue
             sha.update(str(path.relative_to(root.parent)).encode() + b"\0")
             sha.update(path.read_bytes())
     return sha.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    """`root` itself, or every file under it (sorted) when it is a directory."""
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
 
 
 def _file_digest(path: Path) -> str:
