@@ -40,6 +40,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import RunConfig
+from megarl.utils.atomic import write_file
 
 
 class ConfigError(ValueError):
@@ -443,13 +444,9 @@ def save_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.yaml
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / name
-    tmp = run_dir / f".{name}.tmp.{os.getpid()}"
-    tmp.write_text(
-        "# megarl resolved config: every field, defaults included. Rerun with\n"
-        f"#   megarl train --config {target}\n\n" + dump_yaml(cfg, comments=True)
-    )
-    os.replace(tmp, target)
-    return target
+    rerun = f"#   megarl train --config {target}\n\n"
+    header = "# megarl resolved config: every field, defaults included. Rerun with\n" + rerun
+    return write_file(target, lambda tmp: tmp.write_text(header + dump_yaml(cfg, comments=True)))
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 from megarl.algorithms import mismatch_metrics
 from megarl.data.batch import Batch
-from megarl.utils.faults import hold
+from megarl.utils.atomic import write_file
 
 GENERATION_PHASES = ("generate",)
 WORKER_PHASES = (
@@ -394,10 +393,7 @@ def _truncate_after(path: Path, step: int) -> None:
     kept = [line for line, row in rows if row["step"] <= step] if step > 0 else []
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed mid-rewrite
         stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    hold("metrics.rewrite")
-    os.replace(tmp, path)
+    write_file(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)), fault="metrics.rewrite")
 
 
 def _parsed_lines(path: Path, warn: bool = False) -> list[tuple[str, dict]]:

@@ -18,7 +18,6 @@ Pure Python + torch.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -32,6 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megarl.utils.atomic import write_file
 from megarl.utils.faults import hold
 
 DRIVER_STATE = "driver_state.pt"
@@ -86,7 +86,7 @@ def save_driver_state(directory: str | Path, state: DriverState) -> Path:
     state's presence marks the checkpoint complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(
+    write_file(
         directory / MANIFEST,
         lambda tmp: tmp.write_text(
             json.dumps({"step": state.step, "files": file_table(directory)}, indent=1, sort_keys=True)
@@ -94,14 +94,8 @@ def save_driver_state(directory: str | Path, state: DriverState) -> Path:
     )
     hold("checkpoint.driver_state")
     target = directory / DRIVER_STATE
-    _write_atomic(target, lambda tmp: torch.save(state.__dict__, tmp))
+    write_file(target, lambda tmp: torch.save(state.__dict__, tmp))
     return target
-
-
-def _write_atomic(target: Path, write: Callable[[Path], object]) -> None:
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, target)
 
 
 def load_driver_state(directory: str | Path) -> DriverState:

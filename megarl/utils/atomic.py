@@ -1,6 +1,7 @@
-"""Directories that appear complete or not at all.
+"""Files and directories that appear complete or not at all.
 
-Owns: `check_target` (refuse to overwrite a checkpoint unless asked) and `atomic_directory`,
+Owns: `write_file` (a file written beside its target and renamed onto it), `check_target` (refuse to
+overwrite a checkpoint unless asked) and `atomic_directory`,
 which writes into a hidden sibling and renames it into place only after the writer finished and
 wrote its completion marker. A crash leaves the old directory (if any) intact and a
 `.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint. `shared_staging_dir` and
@@ -15,9 +16,25 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from megarl.utils.faults import hold
+
+
+def write_file(target: str | Path, write: Callable[[Path], object], *, fault: Optional[str] = None) -> Path:
+    """`write(tmp)` into a hidden sibling of `target`, then rename it onto `target`: a crash leaves the old
+    file or the new one, never half of one. `fault`: a fault-soak point (`faults.hold`) between the two."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        if fault is not None:
+            hold(fault)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a writer that raised leaves nothing behind (a killed one: its tmp)
+        raise
+    return target
 
 
 class TargetExistsError(FileExistsError):

@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import platform
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Optional
+
+from megarl.utils.atomic import write_file
 
 MARKER = ".megarl-prepared.json"
 """The marker's file name (inside the prepared model's directory)."""
@@ -94,9 +95,7 @@ class PreparedCache:
             output = Path(output).resolve()
             files.update({str(p): _file_digest(p) for p in _files(output) if p.name != MARKER})
         record = {"key": self.key, "files": files, "results": results, "summary": summary}
-        tmp = self.marker.with_name(f"{self.marker.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1, default=str))
-        os.replace(tmp, self.marker)
+        write_file(self.marker, lambda tmp: tmp.write_text(json.dumps(record, indent=1, default=str)))
 
 
 def _plain(value):

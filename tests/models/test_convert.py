@@ -14,7 +14,7 @@ from megarl.models.convert import MARKER, hf_to_mcore, mcore_to_hf, plan_hf_to_m
 from megarl.models.hf_config import UnsupportedModelError
 from megarl.models.hf_io import CheckpointError, HFCheckpointReader
 from megarl.models.layout import LayoutError, ParallelLayout
-from megarl.utils.atomic import TargetExistsError, atomic_directory
+from megarl.utils.atomic import TargetExistsError, atomic_directory, write_file
 from megarl.utils.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,6 +110,21 @@ def test_incomplete_checkpoint_is_not_taken_for_one(tmp_path):
     (tmp_path / "half" / "__0_0.distcp").write_bytes(b"partial")
     with pytest.raises(CheckpointError, match=f"has no {MARKER}"):
         read_metadata(tmp_path / "half")
+
+
+def test_write_file_replaces_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "state.json"
+    assert write_file(target, lambda tmp: tmp.write_text("1")) == target and target.read_text() == "1"
+
+    def half_then_crash(tmp):
+        tmp.write_text("2, half wri")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_file(target, half_then_crash)
+    assert target.read_text() == "1" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    write_file(target, lambda tmp: tmp.write_text("3"))
+    assert target.read_text() == "3" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
 def test_atomic_directory_crash_leaves_old_content_and_no_staging(tmp_path):
