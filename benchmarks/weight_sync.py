@@ -34,7 +34,10 @@ written for the run; rank 0 is the rollout rank. Measured in the same run, alter
   * copy       — `dst.copy_(src)` of the HF bytes in one process (the memory floor);
   * send       — one gloo send of the gathered bytes from rank 2 (stage 1) to rank 0 (the wire floor).
 Prints GB/s (HF bytes / time) and, for every path, its ratio against `copy` (bytes/s, higher is
-better; 1.0 would be a sync as fast as copying the weights once in memory). Checks once, before
+better; 1.0 would be a sync as fast as copying the weights once in memory) and how many of the host's
+cores were busy meanwhile (CPU seconds of every process / seconds over all its runs, from /proc/stat:
+printed for paths whose runs add up to 0.5 s or more, its ticks are 10 ms): near the core count a
+path is CPU-bound, well below it it waits on round trips. Checks once, before
 timing, that the gathered tensors equal the bridge's reference export and that the engines hold
 the checkpoint's tensors bit for bit after a sync.
 """
@@ -43,6 +46,7 @@ import argparse
 import os
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -70,14 +74,32 @@ def write_checkpoint(quick: bool, path: str) -> None:
     AutoModelForCausalLM.from_config(model_config(quick), dtype=torch.float32).save_pretrained(path)
 
 
-def timed(fn):
+def timed(fn) -> tuple[float, float]:
+    """(seconds, CPU seconds this host's cores were busy meanwhile, every process counted) of one run."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    busy, start = busy_seconds(), time.perf_counter()
     fn()
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, busy_seconds() - busy
+
+
+def _cores_busy(runs: list[tuple[float, float]]) -> Optional[float]:
+    """Cores busy over all runs of a path; None below 0.5 s in all (/proc/stat counts in 10 ms ticks)."""
+    seconds = sum(s for s, _ in runs)
+    return sum(b for _, b in runs) / seconds if seconds >= 0.5 else None
+
+
+def busy_seconds() -> float:
+    """CPU seconds all cores of this host have been busy since boot (Linux /proc/stat; 0 elsewhere): what a
+    path costs in CPU, and whether it left cores idle (a sync waiting on round trips) or none (CPU-bound)."""
+    try:
+        with open("/proc/stat") as stat:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, stat.readline().split()[1:8])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the three sync paths (rank 0 holds the engine or sender; the other ranks pass None) -----------
@@ -185,7 +207,8 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     if "ipc" in engines:
         engines["ipc"].shutdown()
     return dict(
-        times={k: min(v) for k, v in times.items()},
+        times={k: min(v)[0] for k, v in times.items()},
+        cores={k: _cores_busy(v) for k, v in times.items()},
         total=total,
         hf_bytes=hf_bytes,
         buckets=len(fast.plan.buckets),
@@ -318,6 +341,7 @@ def report(result, bucket_mb: float) -> None:
     for name, seconds in t.items():
         print(
             f"  {name:20s} {seconds * 1e3:9.1f} ms   {gb / seconds:7.2f} GB/s   ratio vs copy {t['copy'] / seconds:6.3f}"
+            + (f"   cores busy {cores:3.1f} of {os.cpu_count()}" if (cores := result["cores"][name]) else "")
         )
     print(
         "ratio vs copy (bytes/s): "
