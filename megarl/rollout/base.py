@@ -378,6 +378,31 @@ class RolloutEngine(ABC):
                 if pause_here:
                     self.run_sync(self.resume())
 
+    def update_on_loop(self, version: int, load, progress: Optional[UpdateProgress] = None):
+        """`updating` for a load that is a coroutine of the engine's loop (`load()` makes it; an engine whose
+        model lives in another process): pause, load, version and resume run as one call on the loop, one
+        hand-over between threads instead of four. Returns what the load returned."""
+        progress = progress or UpdateProgress()
+        with self._update_lock:
+            return self.run_sync(self._update(version, load, progress))
+
+    async def _update(self, version: int, load, progress: UpdateProgress):
+        """The steps of `updating`, on the engine loop."""
+        pause_here = not self.paused
+        if pause_here:
+            await self.pause(self.update_mode)
+        try:
+            result = await load()
+            await self._commit(version)
+            return result
+        except BaseException as exc:
+            if progress.touched:
+                await self._break(version, exc)
+            raise
+        finally:
+            if pause_here:
+                await self.resume()
+
     async def _commit(self, version: int) -> None:
         await self.loop.call(self._set_version(version))
         self.version, self.broken = version, None

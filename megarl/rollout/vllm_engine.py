@@ -16,7 +16,9 @@ caches cleared, so frozen requests recompute their KV on the new weights when th
 nothing in flight vLLM is not paused at all: new requests wait in megarl, `hold_requests`, and the
 caches are cleared while the buckets load), the
 workers load the buckets (a CPU engine's linears keep plain weights, `vllm_patches.plain_cpu_linear_weights`:
-without MoE experts the model's own weight loaders copy the buckets in, `loads_in_place`; otherwise streamed into ONE `reload_weights` call followed by the re-pack fixes of
+without MoE experts the model's own weight loaders copy the buckets in, `loads_in_place`, and from the
+third update with the same tensors on their copies are replayed, `load_plan`; otherwise streamed into ONE
+`reload_weights` call followed by the re-pack fixes of
 `megarl.rollout.vllm_patches`), then the engine core's weight version is set — vLLM labels every
 step's output tokens with it (`CompletionOutput.weight_versions`), which is where
 `Completion.versions` comes from — and generation resumes. vLLM's layer-wise reload keeps a
@@ -145,8 +147,9 @@ class VLLMEngine(RolloutEngine):
 
     def load_by_ipc(self, address: str, authkey: bytes, version: int, progress=None) -> int:
         """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
-        with self.updating(version, progress):
-            self.run_sync(self.llm.collective_rpc("megarl_reload_by_ipc", args=(address, authkey)))
+        self.update_on_loop(
+            version, lambda: self.llm.collective_rpc("megarl_reload_by_ipc", args=(address, authkey)), progress
+        )
         return version
 
     async def _set_version(self, version: int) -> None:

@@ -531,6 +531,28 @@ def test_a_cpu_engine_loads_updates_into_plain_weights_in_place(monkeypatch, rol
         engine.shutdown()
 
 
+def test_repeated_in_place_updates_replay_the_loaders_copies(rollout_models):
+    """From the third update with the same tensors on, a plain-weight engine replays the copies the model's
+    loaders made (`load_plan`), and still answers as transformers does on whichever weights came last."""
+    from rollout_api_checks import checkpoint
+    from rollout_sync_checks import hf_greedy
+
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(rollout_models["qwen2_other"])
+    models = [rollout_models["qwen2"], rollout_models["qwen2_other"]]
+    expected = [hf_greedy(path) for path in models]
+    assert expected[0] != expected[1]  # an update that loaded nothing would show
+    try:
+        for update in range(4):
+            weights = checkpoint(models[update % 2])
+            engine.update_weights(weights)
+            assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == expected[update % 2], update
+        assert engine.run_sync(engine.llm.collective_rpc("megarl_replayed_tensors")) == [2 * len(weights)]
+    finally:
+        engine.shutdown()
+
+
 def test_a_vllm_without_the_weight_version_api_is_refused_before_an_engine_starts(monkeypatch, tmp_path):
     """vLLM releases before vllm-project/vllm#49040 (e.g. 0.19, once the Docker image's default) lack it:
     the engine must say so at once, naming the fix, not fail after its core process started."""

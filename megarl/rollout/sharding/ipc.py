@@ -16,7 +16,8 @@ updates name it by a token and the worker reads it through the mapping it alread
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
 weights) and loads views of it. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
-the model's weight loaders copy the views into its parameters (each takes the worker's TP slice).
+the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
+the third update with the same tensors on, the copies they made are replayed without them (`load_plan`).
 Otherwise (GPU, packed CPU kernels, MoE experts) the views stream into ONE `reload_weights` call
 (vLLM's layer-wise reload must see a layer's tensors within one call), after which the worker applies
 the vLLM re-pack fixes. vLLM's reload may keep a layer's views until the layer is complete, and the
@@ -52,6 +53,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from megarl.rollout.load_plan import ReplayingLoader
 from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import (
     FlatBucket,
@@ -338,6 +340,11 @@ class MegarlWorkerExtension:
         """Whether an update is copied straight into this worker's parameters (`vllm_patches.loads_in_place`)."""
         return loads_in_place(self.get_model())
 
+    def megarl_replayed_tensors(self) -> int:
+        """How many update tensors this worker loaded by replaying its loaders' copies (`load_plan`)."""
+        loader = self._megarl_in_place()
+        return loader.replayed if loader is not None else 0
+
     def megarl_reload_by_ipc(self, address: str, authkey: bytes) -> int:
         """Receive buckets from the trainer until the update's end; load them (this worker's slice): in place
         into plain CPU weights, otherwise in one `reload_weights` call.
@@ -345,7 +352,7 @@ class MegarlWorkerExtension:
         The connection to the sender and the kept buffers mapped over it stay for the next update to the
         same address; a failure drops both (the sender closes its side too)."""
         names: list[str] = []
-        in_place = loads_in_place(self.get_model())
+        in_place = self._megarl_in_place()
         conn, mapped = self._megarl_channel(address, authkey)
         buckets = receive_buckets(conn, mapped)
         try:
@@ -360,7 +367,7 @@ class MegarlWorkerExtension:
                 from vllm.config import set_current_vllm_config
 
                 with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                    self.get_model().load_weights(stream())
+                    in_place.load(self.get_model().load_weights, stream())
             else:
                 self.reload_weights(weights_iterator=stream())
             if next(buckets, None) is not None:  # the update's end must be read here, not by the next update
@@ -372,6 +379,15 @@ class MegarlWorkerExtension:
         if not in_place:
             repack_after_reload(self, names)
         return len(names)
+
+    def _megarl_in_place(self) -> Optional[ReplayingLoader]:
+        """The loader of in-place updates (`load_plan`), when the model takes them; looked up once per model."""
+        model = self.get_model()
+        kept = getattr(self, "_megarl_loader", None)
+        if kept is None or kept[0] is not model:
+            loader = ReplayingLoader(model.named_parameters) if loads_in_place(model) else None
+            self._megarl_loader = kept = (model, loader)
+        return kept[1]
 
     def _megarl_channel(self, address: str, authkey: bytes):
         """(connection, mapped kept buffers) for this sender: the kept ones, else a new connection."""

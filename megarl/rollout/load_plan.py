@@ -1,0 +1,191 @@
+"""Replaying a model's weight loaders: the copies they made for one update, made again for the next.
+
+Owns: `ReplayingLoader`. A vLLM CPU engine with plain weights (`vllm_patches.loads_in_place`) takes an
+update through the model's own `load_weights`: per tensor, Python that maps the HF name to a
+parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and ends in one
+`param_slice.copy_(tensor_slice)`. For a small model that Python is most of a sync's CPU in the engine
+(~1.5 of ~2 ms in the quickstart's engine core), and every sync of a run sends the same tensors. So:
+
+1. **Record** (an update whose tensors have no plan): the real loader runs under a torch-function mode that
+   notes every `copy_` from a slice of an update tensor into a slice of a parameter — which tensor, where
+   in it (offset, sizes, strides) and the parameter slice. A copy from anything else (a tensor the loader
+   computed) or into anything else means the loader does more than copy: no plan, for good.
+2. **Validate** (the next update with the same tensors — names, shapes and dtypes, in order): the plan is
+   replayed, every parameter's checksum is taken (`protocol.checksums`: no copy of the model), the real
+   loader runs again on the same tensors, and the plan is kept only if it changed no checksum (and
+   replaced no parameter's memory). Anything the loader does that the plan does
+   not (a scaled copy, a write by indexing, a parameter it re-binds) shows there, on data the recording
+   never saw; constant fills (vocabulary padding rows) are the same either way.
+3. **Replay** (every later update with those tensors): the noted copies only, tensor by tensor as the
+   buckets arrive. An update with other tensors stops replaying at the first one that differs, loads the
+   rest with the real loader and records afresh at the next update.
+
+Only the in-place CPU path uses it (`sharding.ipc.MegarlWorkerExtension`); the reload path (GPU, packed
+kernels, MoE) keeps vLLM's `reload_weights`. Imports torch and `sharding.protocol` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megarl.rollout.sharding.plan import HFSlot
+from megarl.rollout.sharding.protocol import FlatBucket, checksums
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One recorded copy: `dst.copy_(tensor.as_strided(size, stride, tensor's offset + offset))`."""
+
+    dst: torch.Tensor  # a view of a parameter
+    offset: int  # elements from the update tensor's first element
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Plan:
+    signature: list[tuple[str, tuple[int, ...], torch.dtype]]  # the update's tensors, in order
+    copies: list[list[_Copy]]  # per tensor
+    storages: dict[str, int] = field(default_factory=dict)  # parameters written → their data_ptr
+    validated: bool = False
+
+    def matches(self, index: int, name: str, tensor: torch.Tensor) -> bool:
+        return index < len(self.signature) and self.signature[index] == (name, tuple(tensor.shape), tensor.dtype)
+
+    def replay(self, index: int, tensor: torch.Tensor) -> None:
+        base = tensor.storage_offset()
+        for c in self.copies[index]:
+            c.dst.copy_(tensor.as_strided(c.size, c.stride, base + c.offset))
+
+    def intact(self, parameters: dict[str, torch.Tensor]) -> bool:
+        """Every parameter the plan writes is still the model's, in the memory it was recorded in."""
+        return all(name in parameters and parameters[name].data_ptr() == ptr for name, ptr in self.storages.items())
+
+
+class ReplayingLoader:
+    """`load(model_loader, weights)`: an update through the model's loader, or the copies it made before."""
+
+    def __init__(self, parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+        self._parameters = parameters  # the model's named parameters (snapshot and storage checks)
+        self._plan: Optional[_Plan] = None
+        self.disabled = False  # the loader did more than copy: always the real loader
+        self.replayed = 0  # tensors loaded by replay (tests, logs)
+
+    def load(self, model_loader: Callable[[Weights], object], weights: Weights) -> None:
+        plan, self._plan = self._plan, None
+        if self.disabled:
+            model_loader(weights)
+        elif plan is None:
+            self._plan = self._record(model_loader, weights)
+        elif not plan.intact(dict(self._parameters())):
+            self.disabled = True
+            model_loader(weights)
+        elif plan.validated:
+            self._replay(plan, model_loader, weights)
+        else:
+            self._validate(plan, model_loader, weights)
+
+    # -- the three steps ------------------------------------------------------------------------
+    def _record(self, model_loader, weights: Weights) -> Optional[_Plan]:
+        recorder = _Recorder({p.untyped_storage().data_ptr(): (n, p) for n, p in self._parameters()})
+        with recorder:
+            model_loader(recorder.feed(weights))
+        if recorder.failed:
+            self.disabled = True
+            return None
+        return recorder.plan()
+
+    def _replay(self, plan: _Plan, model_loader, weights: Weights) -> None:
+        rest = iter(weights)
+        for index, (name, tensor) in enumerate(rest):
+            if not plan.matches(index, name, tensor):  # other tensors: the real loader from here on
+                model_loader(_chain((name, tensor), rest))
+                return
+            plan.replay(index, tensor)
+            self.replayed += 1
+        self._plan = plan  # a whole update, or a prefix of one: the plan stands
+
+    def _validate(self, plan: _Plan, model_loader, weights: Weights) -> None:
+        taken = list(weights)  # views of the update's buckets, valid until the update ends
+        if [(n, tuple(t.shape), t.dtype) for n, t in taken] != plan.signature:
+            model_loader(iter(taken))  # other tensors than recorded: loaded for real, recorded next time
+            return
+        for index, (_, tensor) in enumerate(taken):
+            plan.replay(index, tensor)
+        before = _fingerprint(self._parameters())
+        model_loader(iter(taken))
+        if _fingerprint(self._parameters()) == before:
+            plan.validated = True
+            self._plan = plan
+        else:
+            self.disabled = True
+
+
+def _fingerprint(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
+    """Per parameter: where its memory is, and the checksum of its bytes."""
+    out = {}
+    for name, param in parameters:
+        flat = param.detach().reshape(-1)
+        out[name] = (param.data_ptr(), int(checksums(FlatBucket(flat, (HFSlot(name, tuple(param.shape), 0),)))[0]))
+    return out
+
+
+def _chain(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest
+
+
+class _Recorder(TorchFunctionMode):
+    """Notes each `copy_` from a slice of a fed tensor into a slice of a parameter, while a loader runs."""
+
+    def __init__(self, params_by_storage: dict[int, tuple[str, torch.Tensor]]):
+        super().__init__()
+        self._params = params_by_storage
+        self._fed: list[tuple[str, torch.Tensor]] = []
+        self._copies: list[list[_Copy]] = []
+        self.failed = False
+
+    def feed(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            self._fed.append((name, tensor))
+            self._copies.append([])
+            yield name, tensor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and not self.failed:
+            self._note(args[0], args[1])
+        return func(*args, **kwargs)
+
+    def _note(self, dst: torch.Tensor, src) -> None:
+        source = self._source(src) if isinstance(src, torch.Tensor) else None
+        if source is None or dst.untyped_storage().data_ptr() not in self._params:
+            self.failed = True  # a copy of something computed, or into something else: not a plain copy
+            return
+        index, tensor = source
+        self._copies[index].append(
+            _Copy(dst, src.storage_offset() - tensor.storage_offset(), tuple(src.shape), tuple(src.stride()))
+        )
+
+    def _source(self, src: torch.Tensor) -> Optional[tuple[int, torch.Tensor]]:
+        """(index, fed tensor) whose elements `src` views (same memory and dtype)."""
+        ptr = src.untyped_storage().data_ptr()
+        for index in range(len(self._fed) - 1, -1, -1):  # the loader works on the latest tensors
+            tensor = self._fed[index][1]
+            if tensor.untyped_storage().data_ptr() != ptr or tensor.dtype != src.dtype:
+                continue
+            start = tensor.storage_offset()
+            if start <= src.storage_offset() < start + max(tensor.numel(), 1):
+                return index, tensor
+        return None
+
+    def plan(self) -> _Plan:
+        signature = [(n, tuple(t.shape), t.dtype) for n, t in self._fed]
+        written = (self._params[c.dst.untyped_storage().data_ptr()] for copies in self._copies for c in copies)
+        return _Plan(signature, self._copies, {name: param.data_ptr() for name, param in written})

@@ -1,0 +1,113 @@
+"""`ReplayingLoader`: an update's copies recorded from the model's own loader, validated on the next
+update, then replayed — and given up where the loader does more than copy."""
+
+import torch
+
+from megarl.rollout.load_plan import ReplayingLoader
+
+
+class Toy(torch.nn.Module):
+    """A fused qkv (q, k, v land in row blocks, like vLLM's QKVParallelLinear) and an embedding padded to
+    8 rows whose padding the loader zeroes (like VocabParallelEmbedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.full((8, 4), 7.0), requires_grad=False)
+
+    def load_weights(self, weights):
+        rows = {"q": (0, 2), "k": (2, 2), "v": (4, 2)}
+        for name, tensor in weights:
+            if name == "embed":
+                self.embed.data[: tensor.shape[0]].copy_(tensor)
+                self.embed.data[tensor.shape[0] :].fill_(0)
+            else:
+                start, size = rows[name]
+                self.qkv.data.narrow(0, start, size).copy_(tensor.narrow(1, 0, 4))  # a slice of the tensor
+
+
+def update(seed: int, names=("q", "k", "v", "embed")) -> list[tuple[str, torch.Tensor]]:
+    """The update's tensors as views of one flat buffer (a bucket); q/k/v wider than the parameter."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (2, 6), "k": (2, 6), "v": (2, 6), "embed": (5, 4)}
+    buffer = torch.randn(sum(torch.Size(shapes[n]).numel() for n in names), generator=g)
+    out, offset = [], 0
+    for name in names:
+        numel = torch.Size(shapes[name]).numel()
+        out.append((name, buffer[offset : offset + numel].view(shapes[name])))
+        offset += numel
+    return out
+
+
+def loaded(weights) -> dict:
+    model = Toy()
+    model.load_weights(weights)
+    return {n: p.clone() for n, p in model.named_parameters()}
+
+
+def same(model, expected) -> bool:
+    return all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+
+
+def test_the_third_update_on_is_replayed_and_equals_the_loader():
+    model, calls = Toy(), []
+    loader = ReplayingLoader(model.named_parameters)
+
+    def real(weights):
+        calls.append(1)
+        model.load_weights(weights)
+
+    for seed in range(5):
+        weights = update(seed)
+        loader.load(real, iter(weights))
+        assert same(model, loaded(weights))
+    assert len(calls) == 2  # recorded; validated (replayed, then loaded again to compare); then replays only
+    assert loader.replayed == 3 * 4 and not loader.disabled
+
+
+def test_other_tensors_stop_the_replay_and_are_recorded_afresh():
+    model = Toy()
+    loader = ReplayingLoader(model.named_parameters)
+    for seed in range(3):
+        loader.load(model.load_weights, iter(update(seed)))
+    partial = update(10, names=("q", "embed"))  # k and v left out: q replayed, then the loader from embed
+    loader.load(model.load_weights, iter(partial))
+    expected = loaded(update(2))
+    expected.update({n: p for n, p in loaded(partial).items() if n == "embed"})
+    expected["qkv"][0:2] = partial[0][1][:, :4]
+    assert same(model, expected)
+    for seed in (20, 21, 22):  # re-recorded, validated, replayed
+        loader.load(model.load_weights, iter(update(seed)))
+        assert same(model, loaded(update(seed)))
+    assert loader.replayed == 4 + 1 + 4 and not loader.disabled
+
+
+def test_a_loader_that_does_more_than_copy_is_never_replayed():
+    class Scaled(Toy):  # copies, then scales: the recording sees only the copy; validation catches it
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            self.qkv.data.mul_(2)
+
+    class Computed(Toy):  # copies a computed tensor: nothing to record
+        def load_weights(self, weights):
+            super().load_weights((n, t * 1) for n, t in weights)
+
+    for cls in (Scaled, Computed):
+        model, reference = cls(), cls()
+        loader = ReplayingLoader(model.named_parameters)
+        for seed in range(4):
+            weights = update(seed)
+            loader.load(model.load_weights, iter(weights))
+            reference.load_weights(iter(weights))
+            assert same(model, dict(reference.named_parameters())), cls.__name__
+        assert loader.disabled and loader.replayed == 0
+
+
+def test_a_parameter_given_new_memory_ends_the_replay():
+    model = Toy()
+    loader = ReplayingLoader(model.named_parameters)
+    for seed in range(3):
+        loader.load(model.load_weights, iter(update(seed)))
+    model.qkv.data = torch.zeros(6, 4)  # the recorded views now point at memory the model no longer uses
+    loader.load(model.load_weights, iter(update(3)))
+    assert same(model, loaded(update(3))) and loader.disabled
