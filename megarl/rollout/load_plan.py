@@ -9,31 +9,32 @@ parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and end
 1. **Record** (an update whose tensors have no plan): the real loader runs under a torch-function mode that
    notes every `copy_` from a slice of an update tensor into a slice of a parameter — which tensor, where
    in it (offset, sizes, strides) and the parameter slice. A copy from anything else (a tensor the loader
-   computed) or into anything else means the loader does more than copy: no plan, for good.
+   computed) or into anything else, or any other write into a parameter's memory (an in-place op, an
+   indexed assignment, `out=`) but a fill with a constant, means the loader does more than copy: no plan,
+   for good.
 2. **Validate** (the next update with the same tensors — names, shapes and dtypes, in order): the plan is
-   replayed, every parameter's checksum is taken (`protocol.checksums`: no copy of the model), the real
-   loader runs again on the same tensors, and the plan is kept only if it changed no checksum (and
-   replaced no parameter's memory). Anything the loader does that the plan does
-   not (a scaled copy, a write by indexing, a parameter it re-binds) shows there, on data the recording
-   never saw; constant fills (vocabulary padding rows) are the same either way.
+   replayed, every parameter's bytes are hashed (blake2b: position-sensitive, no copy of the model), the
+   real loader runs again on the same tensors, and the plan is kept only if it changed no hash and gave no
+   parameter new memory — a second check, on data the recording never saw, of what recording cannot see
+   (a parameter the loader re-binds). Constant fills (vocabulary padding rows) are the same either way.
 3. **Replay** (every later update with those tensors): the noted copies only, tensor by tensor as the
-   buckets arrive. An update with other tensors stops replaying at the first one that differs, loads the
-   rest with the real loader and records afresh at the next update.
+   buckets arrive. An update with other tensors stops replaying at the first one that differs and hands
+   the whole update to the real loader (some loaders refuse a tensor without its companions, e.g. a tied
+   `lm_head` without the embedding); the next update records afresh.
 
 Only the in-place CPU path uses it (`sharding.ipc.MegarlWorkerExtension`); the reload path (GPU, packed
-kernels, MoE) keeps vLLM's `reload_weights`. Imports torch and `sharding.protocol` only.
+kernels, MoE) keeps vLLM's `reload_weights`. Imports torch only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from megarl.rollout.sharding.plan import HFSlot
-from megarl.rollout.sharding.protocol import FlatBucket, checksums
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -102,13 +103,14 @@ class ReplayingLoader:
         return recorder.plan()
 
     def _replay(self, plan: _Plan, model_loader, weights: Weights) -> None:
-        rest = iter(weights)
+        rest, done = iter(weights), []  # done: views of the update's buckets, valid until it ends
         for index, (name, tensor) in enumerate(rest):
-            if not plan.matches(index, name, tensor):  # other tensors: the real loader from here on
-                model_loader(_chain((name, tensor), rest))
+            if not plan.matches(index, name, tensor):  # other tensors: the real loader takes the whole update
+                model_loader(itertools.chain(done, [(name, tensor)], rest))
                 return
             plan.replay(index, tensor)
-            self.replayed += 1
+            done.append((name, tensor))
+        self.replayed += len(done)
         self._plan = plan  # a whole update, or a prefix of one: the plan stands
 
     def _validate(self, plan: _Plan, model_loader, weights: Weights) -> None:
@@ -127,18 +129,46 @@ class ReplayingLoader:
             self.disabled = True
 
 
-def _fingerprint(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, int]]:
-    """Per parameter: where its memory is, and the checksum of its bytes."""
+def _fingerprint(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, bytes]]:
+    """Per parameter: where its memory is, and a hash of its bytes in order (CPU parameters)."""
     out = {}
     for name, param in parameters:
-        flat = param.detach().reshape(-1)
-        out[name] = (param.data_ptr(), int(checksums(FlatBucket(flat, (HFSlot(name, tuple(param.shape), 0),)))[0]))
+        raw = param.detach().contiguous().reshape(-1).view(torch.uint8)
+        out[name] = (param.data_ptr(), hashlib.blake2b(raw.numpy(), digest_size=16).digest())
     return out
 
 
-def _chain(first, rest: Iterator) -> Iterator:
-    yield first
-    yield from rest
+_IN_PLACE_DUNDERS = {
+    "__setitem__",
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+    "__ifloordiv__",
+    "__imod__",
+    "__ipow__",
+    "__iand__",
+    "__ior__",
+    "__ixor__",
+    "__ilshift__",
+    "__irshift__",
+}
+
+
+def _writes(func, args, kwargs, params: dict) -> bool:
+    """Whether the call writes into a parameter's memory: an in-place method (`mul_`, `__setitem__`, ...) on
+    one, or an `out=` that is one."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
+    targets = [args[0]] if in_place and args else []
+    out = kwargs.get("out")
+    targets += list(out) if isinstance(out, (tuple, list)) else [out]
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params for t in targets)
+
+
+def _constant_fill(func, args) -> bool:
+    """`fill_` with a number, or `zero_`: the same values whatever the update holds."""
+    return func is torch.Tensor.zero_ or (func is torch.Tensor.fill_ and not isinstance(args[1], torch.Tensor))
 
 
 class _Recorder(TorchFunctionMode):
@@ -159,8 +189,11 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and not self.failed:
-            self._note(args[0], args[1])
+        if not self.failed:
+            if func is torch.Tensor.copy_:
+                self._note(args[0], args[1])
+            elif _writes(func, args, kwargs, self._params) and not _constant_fill(func, args):
+                self.failed = True  # a write into a parameter the plan could not replay
         return func(*args, **kwargs)
 
     def _note(self, dst: torch.Tensor, src) -> None:
