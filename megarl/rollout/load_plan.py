@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -53,7 +53,7 @@ class _Copy:
 class _Plan:
     signature: list[tuple[str, tuple[int, ...], torch.dtype]]  # the update's tensors, in order
     copies: list[list[_Copy]]  # per tensor
-    storages: dict[str, int] = field(default_factory=dict)  # parameters written → their data_ptr
+    storages: dict[str, int]  # parameters written → their data_ptr
     validated: bool = False
 
     def matches(self, index: int, name: str, tensor: torch.Tensor) -> bool:

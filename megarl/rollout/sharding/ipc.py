@@ -338,7 +338,7 @@ class MegarlWorkerExtension:
 
     def megarl_loads_in_place(self) -> bool:
         """Whether an update is copied straight into this worker's parameters (`vllm_patches.loads_in_place`)."""
-        return loads_in_place(self.get_model())
+        return self._megarl_in_place() is not None
 
     def megarl_replayed_tensors(self) -> int:
         """How many update tensors this worker loaded by replaying its loaders' copies (`load_plan`)."""
