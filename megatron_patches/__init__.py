@@ -28,13 +28,19 @@ import warnings
 
 import torch
 
-from megatron_patches.device_mode import CpuDeviceMode, cpu_device_mode, mode_active_on_this_thread
+from megatron_patches.device_mode import (
+    CpuDeviceMode,
+    cpu_device_mode,
+    device_mode_suspended,
+    mode_active_on_this_thread,
+)
 
 __all__ = [
     "TESTED_MCORE_VERSIONS",
     "apply_cpu_patches",
     "check_mcore_version",
     "cpu_device_mode",
+    "device_mode_suspended",
     "installed_mcore_version",
     "patches_applied",
     "remove_cpu_patches",

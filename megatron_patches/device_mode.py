@@ -117,3 +117,17 @@ def cpu_device_mode() -> Iterator[None]:
         return
     with CpuDeviceMode():
         yield
+
+
+@contextlib.contextmanager
+def device_mode_suspended() -> Iterator[None]:
+    """Context manager: this thread's device mode off for a block that runs no megatron code (code that
+    places its tensors itself), so its torch calls skip the mode's Python hook (a few µs each). A no-op
+    when the mode is not the top of this thread's torch-function mode stack (another mode above it
+    stays, and so does the device mode under it)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not stack or not isinstance(stack[-1], CpuDeviceMode):
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield

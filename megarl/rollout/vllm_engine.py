@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import uuid
 import weakref
@@ -94,6 +95,7 @@ class VLLMEngine(RolloutEngine):
             self.update_bucket_bytes = update_bucket_bytes
         self.model_path = str(model_path)
         self._clearing: Optional[asyncio.Future] = None  # the idle pause's cache clearing, until awaited
+        self._stamped: Optional[int] = None  # the version the last reload stamped (`_reload_stamped`)
         self.on_gpu = torch.cuda.is_available()
         self.ipc_workers = tensor_parallel_size
         """vLLM worker processes that each take every IPC bucket (one per rollout TP rank)."""
@@ -147,15 +149,32 @@ class VLLMEngine(RolloutEngine):
 
     def load_by_ipc(self, address: str, authkey: bytes, version: int, progress=None) -> int:
         """Load an update whose buckets arrive by IPC handle (`sharding.ipc.IpcSender` drives this)."""
-        self.update_on_loop(
-            version, lambda: self.llm.collective_rpc("megarl_reload_by_ipc", args=(address, authkey)), progress
-        )
+        self.update_on_loop(version, lambda: self._reload_stamped(address, authkey, version), progress)
         return version
+
+    async def _reload_stamped(self, address: str, authkey: bytes, version: int) -> None:
+        """The reload RPC and the version stamp, sent back to back: the engine core runs utility calls in the
+        order they arrive, so the stamp takes effect after the load and before any later request; one
+        round trip to the core instead of two. A failed reload has its stamp undone (the old version
+        stamped again) before the failure is raised."""
+        reload = asyncio.ensure_future(self.llm.collective_rpc("megarl_reload_by_ipc", args=(address, authkey)))
+        stamp = asyncio.ensure_future(self.llm.update_weight_version(str(version)))  # sent after the reload's
+        try:
+            await reload
+        except BaseException:
+            await asyncio.gather(stamp, return_exceptions=True)
+            with contextlib.suppress(Exception):  # a core that died cannot be stamped: its own error is raised
+                await self.llm.update_weight_version(str(self.version))
+            raise
+        await stamp
+        self._stamped = version
 
     async def _set_version(self, version: int) -> None:
         if self._held is not None:  # after an idle pause's load: no KV or media computed by the old weights survives
             await self._caches_cleared()
-        await self.llm.update_weight_version(str(version))
+        stamped, self._stamped = self._stamped, None
+        if stamped != version:  # not stamped with the reload (`_reload_stamped`)
+            await self.llm.update_weight_version(str(version))
 
     async def _caches_cleared(self) -> None:
         """The idle pause's cache clearing (started with the pause, so it ran with the load), checked; cleared

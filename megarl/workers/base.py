@@ -47,6 +47,16 @@ def device_mode():
         yield
 
 
+@contextlib.contextmanager
+def outside_device_mode():
+    """The device mode off on this thread for megarl's own tensor code (it places tensors itself): its
+    torch calls skip the mode's Python hook. A no-op on GPU, where there is no mode."""
+    from megatron_patches import device_mode_suspended
+
+    with device_mode_suspended():
+        yield
+
+
 class ProcessSetup:
     """The process: CPU patches (CPU only), torch.distributed over the worker group, threads, seed."""
 

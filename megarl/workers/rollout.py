@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megarl.workers.base import local_role, register_local
+from megarl.workers.base import local_role, outside_device_mode, register_local
 
 
 def engine_specs(cfg) -> dict[str, dict]:
@@ -134,7 +134,7 @@ class Rollout:
     def sync_weights(self) -> Optional[int]:
         """Push the actor's current weights into the engines (every rank of the actor takes part)."""
         actor = local_role("actor")
-        with actor.resident():  # the manager's copies and collectives need no CUDA → CPU mapping
+        with actor.resident(), outside_device_mode():  # the manager places its tensors itself
             return self.manager.sync(self.sender, version=actor.engine.step)
 
     def version(self) -> Optional[int]:
@@ -201,7 +201,7 @@ class RolloutSender:
         if not self.sends:
             return None
         actor = local_role("actor")
-        with actor.resident():  # the manager's copies and collectives need no CUDA → CPU mapping
+        with actor.resident(), outside_device_mode():  # the manager places its tensors itself
             return self.manager.sync(self.sender, version=actor.engine.step)
 
     def close(self) -> None:

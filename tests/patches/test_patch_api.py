@@ -17,6 +17,7 @@ from megatron_patches import (
     check_mcore_version,
     cpu_device_mode,
     cuda_runtime,
+    device_mode_suspended,
     installed_mcore_version,
     patches_applied,
     tensor_type_names,
@@ -105,6 +106,31 @@ def test_device_mode_is_thread_local():
         thread.start()
         thread.join()
     assert results == {"without_mode": "raised", "with_mode": "cpu"}
+
+
+@no_cuda
+def test_device_mode_suspended_turns_this_threads_mode_off_for_the_block_only():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with cpu_device_mode():
+        with device_mode_suspended():
+            assert not torch.overrides._get_current_function_mode_stack()
+            with pytest.raises((RuntimeError, AssertionError)):
+                torch.empty(2, device="cuda")
+        assert torch.empty(2, device="cuda").device.type == "cpu"  # back after the block
+        with Watching(), device_mode_suspended():  # not the top mode: both stay
+            torch.ones(2).add(1)
+            assert len(torch.overrides._get_current_function_mode_stack()) == 2
+        assert seen
+    with device_mode_suspended():  # no mode: nothing to do
+        assert not torch.overrides._get_current_function_mode_stack()
 
 
 @pytest.fixture

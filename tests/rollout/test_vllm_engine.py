@@ -130,7 +130,8 @@ def test_ipc_updates_keep_the_channel_and_a_refused_one_reconnects(engine, rollo
     """The engine's worker keeps its connection and maps kept buffers (the sharding manager's,
     `FlatBucket.kept`) once: the second update writes other weights into the same buffers and the engine
     serves them. An update refused on the way (a bucket changed after its checksum was taken) closes
-    the channel on both sides; the next update connects anew and the engine serves its weights."""
+    the channel on both sides and leaves the core's version stamp at the last good update; the next
+    update connects anew and the engine serves its weights."""
     import dataclasses
     from unittest import mock
 
@@ -171,6 +172,8 @@ def test_ipc_updates_keep_the_channel_and_a_refused_one_reconnects(engine, rollo
     with mock.patch.object(ipc, "checksums", racing), pytest.raises(Exception, match="gate_proj.*checksum mismatch"):
         sender.send(buckets, version + 3)
     assert engine.version == version + 2 and sender._channel.closed
+    # the stamp sent with the failed reload (`VLLMEngine._reload_stamped`) is undone in the core too
+    assert engine.run_sync(engine.llm.get_weight_version()) == str(version + 2)
     write(first)
     assert sender.send(buckets, version + 4) == version + 4 and sender.address != address
     assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(rollout_models["qwen2_other"])
