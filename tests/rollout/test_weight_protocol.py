@@ -5,6 +5,7 @@ in test_vllm_engine.py) with buckets of a real checkpoint; spies only record whe
 """
 
 import ast
+import itertools
 import threading
 from pathlib import Path
 from unittest import mock
@@ -61,6 +62,38 @@ def test_bucket_tensors_are_flat_contiguous_and_in_order(checkpoint):
     for b in buckets:
         assert b.buffer.is_contiguous() and b.buffer.numel() == sum(e.numel for e in b.entries)
         assert b.buffer.numel() * b.buffer.element_size() <= 100_000 or len(b.entries) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_checksums_from_block_sums_equal_the_per_tensor_sums(dtype):
+    """The GPU form of `protocol.checksums` (block sums and prefix sums, `_blocked_sums`) equals the CPU form
+    (a sum per tensor) on buckets whose tensors straddle words and blocks, whose buffer starts off a word
+    boundary and ends in a partial word, and whose words overflow int64 (the sums wrap)."""
+    import functools
+
+    from megarl.rollout.sharding import protocol
+    from megarl.rollout.sharding.plan import HFSlot
+
+    generator = torch.Generator().manual_seed(0)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for lead, block in itertools.product(range(4), (1, 3, 8, 1 << 12)):
+        shapes = [(3,), (5, 7), (1,), (2, 2, 3), (11,), (4, 1), (9, 9)]
+        numel = sum(torch.Size(shape).numel() for shape in shapes)
+        words = torch.randint(-(2**62), 2**62, (numel + lead,), dtype=torch.int64, generator=generator)
+        buffer = words.view(torch.uint8)[: (numel + lead) * itemsize].view(dtype)[lead:]
+        entries, offset = [], 0
+        for i, shape in enumerate(shapes):
+            entries.append(HFSlot(f"t{i}", shape, offset))
+            offset += torch.Size(shape).numel()
+        bucket = protocol.FlatBucket(buffer, tuple(entries))
+        blocked = functools.partial(protocol._blocked_sums, block=block)
+        with mock.patch.object(protocol, "_looped_sums", blocked):
+            from_blocks = protocol.checksums(bucket)
+        assert torch.equal(from_blocks, protocol.checksums(bucket)), (lead, block)
+        changed = buffer.clone()
+        changed.view(torch.uint8)[-1] ^= 1  # the last byte: in the buffer's partial last word
+        with mock.patch.object(protocol, "_looped_sums", blocked):
+            assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_blocks)
 
 
 def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkeypatch):

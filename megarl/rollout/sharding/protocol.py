@@ -131,20 +131,53 @@ def checksums(bucket: FlatBucket) -> torch.Tensor:
     """Per tensor of the bucket, the wrapping int64 sum of the 8-byte words holding its bytes (a word shared
     with a neighbour counts for both): one read of the buffer at memory speed, on its device (on CPU about
     half the time of a copy of the same bytes, which reads and writes them: 16 against 32 ms for 0.4 GB on
-    one thread). Transports that move the bytes (IPC, broadcast) send these beside each bucket."""
+    one thread). Transports that move the bytes (IPC, broadcast) send these beside each bucket.
+
+    On CPU a sum per tensor; on a GPU the same sums from block sums (`_blocked_sums`): a kernel per tensor
+    leaves them launch-bound there (hundreds of tensors per bucket; `benchmarks/ipc_device.py` on an H200,
+    3 GB of bf16 in 1 GB buckets: 0.33x of a copy's speed a tensor at a time, 0.85x from block sums)."""
     raw = bucket.buffer.view(torch.uint8)
     if raw.storage_offset() % 8:  # int64 words must be aligned
         raw = raw.clone()
     size, whole = bucket.buffer.element_size(), raw.numel() // 8 * 8
     words, tail = raw[:whole].view(torch.int64), raw[whole:].to(torch.int64)  # tail: at most 7 bytes
-    sums = []
-    for entry in bucket.entries:
-        start, end = entry.offset * size, (entry.offset + entry.numel) * size
-        total = words[start // 8 : -(-end // 8)].sum()
+    spans = [(entry.offset * size, (entry.offset + entry.numel) * size) for entry in bucket.entries]
+    if not spans:
+        return torch.zeros(0, dtype=torch.int64, device=raw.device)
+    sums = _blocked_sums(words, spans) if raw.is_cuda else _looped_sums(words, spans)
+    for i, (start, end) in enumerate(spans):
         if end > whole:
-            total = total + tail[max(start - whole, 0) : end - whole].sum()
-        sums.append(total)
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=raw.device)
+            sums[i] += tail[max(start - whole, 0) : end - whole].sum()
+    return sums
+
+
+def _looped_sums(words: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Per byte span, the sum of the words it touches: a reduction per span."""
+    return torch.stack([words[start // 8 : -(-end // 8)].sum() for start, end in spans])
+
+
+def _blocked_sums(words: torch.Tensor, spans: list[tuple[int, int]], block: int = 1 << 12) -> torch.Tensor:
+    """`_looped_sums` in a fixed number of kernels whatever the number of spans, none waiting on the device:
+    one sum per block of `block` words (one read of the buffer), their exclusive prefix sums, and prefix
+    sums inside the blocks where spans begin or end; a span's sum is the difference of the prefix sums at
+    its ends (integer sums wrap, so it equals the direct sum)."""
+    n = words.numel()
+    blocks = n // block
+    full = words[: blocks * block].view(blocks, block)
+    rest = words.new_zeros(1, block)  # the last, partial block, zero-padded
+    rest[0, : n - blocks * block] = words[blocks * block :]
+    sums = torch.cat([full.sum(1), rest.sum(1)])
+    before = torch.cumsum(sums, 0) - sums  # the words before each block
+    # each span's first word and the word past its last one: their block, its row below, the place in it
+    ends = [index for start, end in spans for index in (start // 8, min(-(-end // 8), n))]
+    touched = sorted({index // block for index in ends} - {blocks})
+    row = {b: i for i, b in enumerate(touched)}
+    places = [(index // block, row.get(index // block, len(touched)), index % block) for index in ends]
+    places, touched = (torch.tensor(t, dtype=torch.int64).to(words.device) for t in (places, touched))
+    rows = torch.cat([full.index_select(0, touched), rest])  # `rest` is the row of block `blocks`
+    inside = torch.cumsum(rows, 1) - rows  # the words before each word, within its block
+    prefix = (before[places[:, 0]] + inside[places[:, 1], places[:, 2]]).view(-1, 2)
+    return prefix[:, 1] - prefix[:, 0]
 
 
 def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:

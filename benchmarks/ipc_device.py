@@ -1,0 +1,253 @@
+"""Benchmark + check: the IPC weight transport on a GPU (CUDA IPC handles), against a device copy.
+
+    python benchmarks/ipc_device.py                  # on a CUDA machine: Qwen2-1.5B-shaped bf16 weights (3.1 GB)
+    python benchmarks/ipc_device.py --device cpu --quick   # the same code over shared memory, seconds
+
+What a colocated vLLM engine's sync does on a GPU, without vLLM (its worker's loaders are replaced by
+one `param.copy_(view)` per tensor, which is what they do for an unfused, TP1 model): the trainer side
+packs the weights into kept flat buckets (`protocol.bucket_tensors`, then a copy per tensor each sync:
+the sharding manager's gather at TP1), `ipc.IpcChannel.serve` hands each bucket to an "engine" process
+by handle (`reduce_tensor`: a CUDA IPC handle; kept buffers cross by handle once, then by token) with
+its per-tensor checksums (`protocol.checksums`), and the engine process (`ipc.receive_buckets`: maps
+the bucket, checks the checksums, acks) copies every tensor into its own parameters.
+
+Checked before timing: after a verified sync the engine's parameters equal the weights bit for bit
+(per-tensor sums of the 16-bit words, computed on both sides); a bucket changed after its checksum was
+taken fails the update naming its tensor, and the next update (a new channel) succeeds.
+
+Timed (best of --repeats, alternating, each ending with the device synchronized on both sides):
+  * copy            — one `dst.copy_(src)` of all the weights' bytes (the memory floor);
+  * checksums       — `protocol.checksums` of every bucket (one read of the bytes);
+  * pack            — the weights copied into the kept buckets (the trainer side's part of a sync);
+  * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them.
+Prints each one's GB/s and its ratio against `copy` (bytes/s), and the integrity check's share of the
+verified sync (ipc / ipc-unverified - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from multiprocessing.connection import Connection
+from unittest import mock
+
+import torch
+import torch.multiprocessing as mp
+
+from megarl.rollout.sharding import ipc, protocol
+from megarl.rollout.sharding.protocol import WeightUpdateError, bucket_tensors, checksums
+
+
+def qwen2_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes of a Qwen2 checkpoint: 1.5B's sizes (tied embeddings), or a tiny one."""
+    vocab, hidden, inter, layers, kv = (1000, 256, 512, 2, 64) if quick else (151936, 1536, 8960, 28, 256)
+    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (hidden, hidden)),
+            (p + "self_attn.q_proj.bias", (hidden,)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
+    return shapes + [("model.norm.weight", (hidden,))]
+
+
+def word_sums(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per tensor, the sum of its 16-bit words as int64 (on its device): equal sums ⇒ the same bits, for
+    anything but a deliberate collision."""
+    return torch.stack([t.contiguous().view(torch.int16).to(torch.int64).sum() for t in tensors.values()]).cpu()
+
+
+def engine_process(shapes, dtype, device: str, control: Connection) -> None:
+    """The "engine": its own parameters; per ("load", address, authkey) it receives one update over the
+    channel (connecting anew when the address changed or the last update failed) and copies every tensor in."""
+    params = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes}
+    blocked = protocol._blocked_sums
+    conn, address, mapped = None, None, {}
+    while (message := control.recv())[0] != "stop":
+        if message[0] == "sums":
+            control.send(word_sums(params))
+            continue
+        if message[0] == "per-tensor":  # the CPU form of the checksums here too (`per_tensor_sums`)
+            protocol._blocked_sums = protocol._looped_sums if message[1] else blocked
+            continue
+        _, new_address, authkey = message
+        try:
+            if conn is None or new_address != address:
+                conn, address, mapped = ipc.connect_worker(new_address, authkey), new_address, {}
+            else:
+                conn.send(ipc._HELLO)  # a kept connection announces every update
+            for bucket in ipc.receive_buckets(conn, mapped):
+                for name, tensor in bucket.tensors():
+                    params[name].copy_(tensor)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            control.send(("ok", ""))
+        except Exception as err:  # noqa: BLE001 - reported to the sender, which raises it
+            if conn is not None:
+                conn.close()
+            conn, mapped = None, {}
+            control.send(("error", f"{type(err).__name__}: {err}"))
+
+
+class Trainer:
+    """The sender's side: the weights, their kept buckets, the channel and the engine process."""
+
+    def __init__(self, args):
+        self.device = args.device
+        dtype = torch.bfloat16
+        shapes = qwen2_shapes(args.quick)
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        self.weights = {
+            name: torch.randn(shape, generator=generator, device=self.device).to(dtype) for name, shape in shapes
+        }
+        self.bytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        self.buckets = [
+            dataclasses.replace(b, kept=True)
+            for b in bucket_tensors(list(self.weights.items()), args.bucket_mb << 20, shared=self.device == "cpu")
+        ]
+        self.flat = torch.empty(self.bytes // 2, dtype=dtype, device=self.device)
+        self.flat_src = torch.randn(self.bytes // 2, device=self.device).to(dtype)
+        context = mp.get_context("spawn")
+        self.control, child = context.Pipe()
+        self.process = context.Process(target=engine_process, args=(shapes, dtype, self.device, child), daemon=True)
+        self.process.start()
+        self.channel = None
+
+    def sync(self, verify: bool) -> None:
+        self.pack()
+        if self.channel is None or self.channel.closed:
+            self.channel = ipc.IpcChannel(ipc._fresh_address(), os.urandom(16))
+        channel = self.channel
+
+        def receive():
+            self.control.send(("load", channel.address, channel.authkey))
+            status, error = self.control.recv()
+            if status != "ok":
+                raise WeightUpdateError(error)
+
+        channel.serve(self.buckets, receive, verify=verify)
+
+    def pack(self) -> None:
+        for bucket in self.buckets:
+            for name, view in bucket.tensors():
+                view.copy_(self.weights[name])
+
+    def engine_sums(self) -> torch.Tensor:
+        self.control.send(("sums",))
+        return self.control.recv()
+
+    def close(self) -> None:
+        self.control.send(("stop",))
+        self.process.join(30)
+        if self.channel is not None:
+            self.channel.close()
+
+
+def check(trainer: Trainer) -> None:
+    """A verified sync lands bit for bit; a bucket changed after its checksums were taken fails the update
+    naming its tensor; the next update succeeds."""
+    trainer.sync(verify=True)
+    assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), "the engine's weights differ after a sync"
+    target = trainer.buckets[len(trainer.buckets) // 2]
+    real = ipc.checksums
+
+    def racing(bucket):
+        sums = real(bucket)
+        if bucket is target:
+            bucket.buffer[0] += 1.0  # after the checksums: the bytes the engine maps are not the ones summed
+        return sums
+
+    ipc.checksums = racing
+    try:
+        trainer.sync(verify=True)
+        raise AssertionError("a corrupted bucket was loaded")
+    except WeightUpdateError as err:
+        assert target.entries[0].name in str(err), err
+        print(f"corrupted bucket refused: {err}")
+    finally:
+        ipc.checksums = real
+    trainer.sync(verify=True)
+    assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), "the update after a refused one differs"
+    print("check passed: verified syncs are bit-identical; a corrupted bucket is refused, the next update lands")
+
+
+def per_tensor_sums(trainer: Trainer):
+    """Runs a function with the checksums taken a tensor at a time on both sides (the CPU form)."""
+
+    def run(fn):
+        trainer.control.send(("per-tensor", True))
+        with mock.patch.object(protocol, "_blocked_sums", protocol._looped_sums):
+            try:
+                fn()
+            finally:
+                trainer.control.send(("per-tensor", False))
+
+    return run
+
+
+def timed(device: str, fn) -> float:
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a tiny Qwen2's shapes")
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here; pass --device cpu")
+    trainer = Trainer(args)
+    print(f"{args.device}: {trainer.bytes / 2**20:.1f} MiB of bf16 weights in {len(trainer.buckets)} buckets")
+    try:
+        check(trainer)
+        paths = {
+            "copy": lambda: trainer.flat.copy_(trainer.flat_src),
+            "checksums": lambda: [checksums(b) for b in trainer.buckets],
+            "pack": trainer.pack,
+            "ipc-unverified": lambda: trainer.sync(verify=False),
+            "ipc": lambda: trainer.sync(verify=True),
+        }
+        if args.device != "cpu":  # the GPU's checksums come from block sums; the CPU form sums per tensor
+            per_tensor = per_tensor_sums(trainer)
+            paths["checksums-per-tensor"] = lambda: per_tensor(lambda: [checksums(b) for b in trainer.buckets])
+            paths["ipc-per-tensor-sums"] = lambda: per_tensor(lambda: trainer.sync(verify=True))
+        for fn in paths.values():  # warm-up: kernels, mappings
+            fn()
+        best = {name: float("inf") for name in paths}
+        for _ in range(args.repeats):
+            for name, fn in paths.items():
+                best[name] = min(best[name], timed(args.device, fn))
+    finally:
+        trainer.close()
+    for name, seconds in best.items():
+        print(
+            f"{name:20s} {seconds * 1e3:8.2f} ms  {trainer.bytes / seconds / 1e9:7.1f} GB/s"
+            f"  {best['copy'] / seconds:5.2f}x of a copy"
+        )
+    print(f"integrity check's share of the verified sync: {best['ipc'] / best['ipc-unverified'] - 1:+.1%}")
+    if "ipc-per-tensor-sums" in best:
+        print(f"  with a sum per tensor: {best['ipc-per-tensor-sums'] / best['ipc-unverified'] - 1:+.1%}")
+
+
+if __name__ == "__main__":
+    main()
