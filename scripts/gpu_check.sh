@@ -21,7 +21,11 @@
 #   3. benchmarks/logprob_memory.py on CUDA: the chunked vocab-parallel log-prob's peak memory and time
 #      against the plain log_softmax + gather;
 #   4. scripts/conversion_demo.py at TP1: logit parity with transformers (float32) of a model built on the
-#      GPU, HF -> megatron-core distributed checkpoint -> HF, bit for bit.
+#      GPU, HF -> megatron-core distributed checkpoint -> HF, bit for bit;
+#   5. benchmarks/ipc_device.py: the IPC weight transport over CUDA IPC handles into another process, 3 GB
+#      of bf16 in 1 GB buckets: verified syncs bit-identical, a corrupted bucket refused naming its tensor,
+#      and bytes/s against a device copy (H200, 2026-11-26: checksums 0.85x of a copy, the check's share
+#      of the sync +40%).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,4 +48,5 @@ step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-he
     --rows 16 --prompt 256 --response 768 --micro-batch-tokens 8192 --steps 3 --threads 8
 step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
 step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
+step "$PY" benchmarks/ipc_device.py --bucket-mb 1024 --repeats 9
 exit $status
