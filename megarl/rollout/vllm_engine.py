@@ -170,9 +170,9 @@ class VLLMEngine(RolloutEngine):
         self._stamped = version
 
     async def _set_version(self, version: int) -> None:
+        stamped, self._stamped = self._stamped, None  # taken first: a failure below must not leave it for later
         if self._held is not None:  # after an idle pause's load: no KV or media computed by the old weights survives
             await self._caches_cleared()
-        stamped, self._stamped = self._stamped, None
         if stamped != version:  # not stamped with the reload (`_reload_stamped`)
             await self.llm.update_weight_version(str(version))
 
