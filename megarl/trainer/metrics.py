@@ -26,7 +26,7 @@ import torch
 
 from megarl.algorithms import mismatch_metrics
 from megarl.data.batch import Batch
-from megarl.utils.atomic import write_file
+from megarl.utils.atomic import stale_writes, write_file
 
 GENERATION_PHASES = ("generate",)
 WORKER_PHASES = (
@@ -391,7 +391,7 @@ def _truncate_after(path: Path, step: int) -> None:
         return
     rows = _parsed_lines(path, warn=True)
     kept = [line for line, row in rows if row["step"] <= step] if step > 0 else []
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a run killed mid-rewrite
+    for stale in stale_writes(path):  # left by a run killed mid-rewrite
         stale.unlink(missing_ok=True)
     write_file(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)), fault="metrics.rewrite")
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from megarl.utils.atomic import write_file
+from megarl.utils.atomic import stale_writes, write_file
 from megarl.utils.faults import hold
 
 DRIVER_STATE = "driver_state.pt"
@@ -338,7 +338,7 @@ def remove_leftovers(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     found = [
         *run_dir.glob(".hf.incomplete-*"),
-        *run_dir.glob(".metrics.jsonl.tmp-*"),
+        *stale_writes(run_dir / "metrics.jsonl"),
         *checkpoints_dir(run_dir).glob(".step_*.deleting"),
         *checkpoints_dir(run_dir).glob("step_*/.*.incomplete-*"),
     ]

@@ -1,7 +1,7 @@
 """Files and directories that appear complete or not at all.
 
-Owns: `write_file` (a file written beside its target and renamed onto it), `check_target` (refuse to
-overwrite a checkpoint unless asked) and `atomic_directory`,
+Owns: `write_file` (a file written beside its target and renamed onto it; `stale_writes`: what killed
+writers left), `check_target` (refuse to overwrite a checkpoint unless asked) and `atomic_directory`,
 which writes into a hidden sibling and renames it into place only after the writer finished and
 wrote its completion marker. A crash leaves the old directory (if any) intact and a
 `.<name>.incomplete-*` sibling that nothing mistakes for a checkpoint. `shared_staging_dir` and
@@ -25,7 +25,7 @@ def write_file(target: str | Path, write: Callable[[Path], object], *, fault: Op
     """`write(tmp)` into a hidden sibling of `target`, then rename it onto `target`: a crash leaves the old
     file or the new one, never half of one. `fault`: a fault-soak point (`faults.hold`) between the two."""
     target = Path(target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp = _sibling(target, str(os.getpid()))
     try:
         write(tmp)
         if fault is not None:
@@ -35,6 +35,17 @@ def write_file(target: str | Path, write: Callable[[Path], object], *, fault: Op
         tmp.unlink(missing_ok=True)  # a writer that raised leaves nothing behind (a killed one: its tmp)
         raise
     return target
+
+
+def stale_writes(target: str | Path) -> list[Path]:
+    """The hidden siblings `write_file` leaves for `target` when its process is killed before the rename."""
+    target = Path(target)
+    return sorted(target.parent.glob(_sibling(target, "*").name))
+
+
+def _sibling(target: Path, writer: str) -> Path:
+    """`write_file`'s hidden sibling of `target` for a writer (its pid; "*" matches every writer's)."""
+    return target.with_name(f".{target.name}.tmp-{writer}")
 
 
 class TargetExistsError(FileExistsError):
