@@ -161,14 +161,20 @@ def test_engine_server_and_worker_host_serve_many_requests_at_once(ray_cluster, 
             short_done = bool(ray.wait([short_ref], timeout=0)[0])
             return await in_flight >= (1 if short_done else 2)
 
-        deadline = time.monotonic() + 120
-        while not (
-            await long_in_flight(server.num_requests.remote(), served[1])
-            and await long_in_flight(host.call.remote("engine.num_requests"), hosted[1])
-        ):
-            assert time.monotonic() < deadline, "the long requests never showed as in flight"
-            await asyncio.sleep(0.05)
-        await asyncio.gather(server.abort.remote(["long"]), request("abort", ["long"]))
+        async def abort_once_in_flight(num_requests, short_ref, abort):
+            # each side on its own: waiting for both at once let one side's long request finish meanwhile
+            deadline = time.monotonic() + 120
+            while not await long_in_flight(num_requests(), short_ref):
+                assert time.monotonic() < deadline, "the long requests never showed as in flight"
+                await asyncio.sleep(0.05)
+            await abort()
+
+        await asyncio.gather(
+            abort_once_in_flight(server.num_requests.remote, served[1], lambda: server.abort.remote(["long"])),
+            abort_once_in_flight(
+                lambda: host.call.remote("engine.num_requests"), hosted[1], lambda: request("abort", ["long"])
+            ),
+        )
         return await asyncio.gather(*served), await asyncio.gather(*hosted)
 
     try:
