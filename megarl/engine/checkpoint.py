@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.models.convert import MARKER, read_metadata, save_strategy, write_hf_shards
+from megarl.models.convert import MARKER, read_metadata, write_hf_shards
+from megarl.models.dcp_save import save_strategy
 from megarl.models.hf_io import CheckpointError, copy_hf_side_files
 from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
 

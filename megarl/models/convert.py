@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from megarl.models.dcp_save import save_strategy
 from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.models.hf_io import CheckpointError, HFCheckpointReader, HFShardWriter, copy_hf_side_files, write_index
 from megarl.models.layout import ParallelLayout
@@ -139,27 +140,6 @@ def sharded_model_state(chunks) -> dict:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
-def save_strategy(thread_count: int = 2):
-    """megatron-core's torch_dist writer with 2 writer threads per rank (1.2x faster than its default 1 here),
-    for synchronous saves (every save of megarl is one: `dist_checkpointing.save` without `async_sharded_save`).
-
-    The writer hands its results back through a process-wide queue that megatron-core makes, on first use,
-    as `multiprocessing.get_context("spawn").Manager().Queue()`: a manager process that imports the
-    caller's `__main__` (torch included) before the first save can finish — 2.5 s of a 4 s save of a
-    475 MiB model (`benchmarks/convert_throughput.py`), paid by every conversion and by each trainer
-    rank's first checkpoint. A synchronous save writes and reads that queue in this process, so a plain
-    `queue.Queue` does the same job; it is installed only where megatron-core has made none yet.
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
 
 
 def load_model_state(chunks, state: dict) -> None:

@@ -199,7 +199,7 @@ def test_a_synchronous_save_starts_no_results_manager_process():
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megarl.models.convert import save_strategy
+    from megarl.models.dcp_save import save_strategy
 
     save_strategy()
     assert isinstance(filesystem_async.get_write_results_queue(), queue.Queue)
