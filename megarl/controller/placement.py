@@ -9,6 +9,7 @@ Pure Python except `init_ray` / `shutdown_ray` (import Ray when called).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Optional
 
@@ -60,8 +61,35 @@ def init_ray(cfg, **overrides) -> None:
         # runtime_env, so none can ever run in one: they import Ray (0.5-0.8 s of CPU each, measured) and
         # exit, while the start-up needs those cores. Read by the raylet ray.init starts; a user's value wins.
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-        ray.init(**local_ray_resources(cfg), **common)
+        with _token_notice_dropped():
+            ray.init(**local_ray_resources(cfg), **common)
     reclaim_signals()  # Ray's own SIGTERM handler would exit at once (134), without the graceful stop
+
+
+@contextlib.contextmanager
+def _token_notice_dropped():
+    """Ray (2.60) turns token authentication on for every new local cluster, which megarl keeps, and says so
+    in a warning on every start ("Token authentication is enabled for this Ray cluster. Set
+    RAY_AUTH_MODE=disabled to opt out"): a line that asks nothing of a `megarl train` user. Dropped here;
+    `RAY_AUTH_MODE` set by the user is Ray's to honour, silently, as before."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = _MessageFilter("Token authentication is enabled for this Ray cluster")
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
+class _MessageFilter(logging.Filter):
+    """Drops the records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def shutdown_ray() -> None:

@@ -36,12 +36,18 @@ CHILD = textwrap.dedent("""
                 pass
         time.sleep(0.1)
     print("idle workers", len(seen - busy), flush=True)
+    print("auth mode", os.environ.get("RAY_AUTH_MODE"), flush=True)
     ray.shutdown()
 """)
 
 
 def _idle_workers(**env) -> int:
-    environ = {k: v for k, v in os.environ.items() if k != "RAY_prestart_worker_first_driver"}
+    return _local_ray(**env)[0]
+
+
+def _local_ray(**env) -> tuple[int, str, str]:
+    """Idle workers seen, the driver's RAY_AUTH_MODE after init_ray, and the child's stderr."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("RAY_prestart_worker_first_driver", "RAY_AUTH_MODE")}
     proc = subprocess.run(
         [sys.executable, "-c", CHILD],
         cwd=REPO,
@@ -52,11 +58,19 @@ def _idle_workers(**env) -> int:
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("idle workers")]
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
-    return int(lines[-1].split()[-1])
+    auth = next(line for line in proc.stdout.splitlines() if line.startswith("auth mode")).split()[-1]
+    return int(lines[-1].split()[-1]), auth, proc.stderr
 
 
 def test_a_local_ray_starts_no_idle_workers_megarls_actors_could_not_use():
     assert _idle_workers() == 0
+
+
+def test_a_local_ray_keeps_rays_token_authentication_without_its_start_notice():
+    _, auth, stderr = _local_ray()
+    assert auth == "token"  # Ray's default for a new local cluster, unchanged
+    assert "Token authentication" not in stderr, stderr
+    assert "Started a local Ray instance" in stderr  # Ray's other start-up lines still print
 
 
 def test_the_users_own_ray_setting_wins():
