@@ -3,6 +3,7 @@
 
     python benchmarks/step_loop.py                   # 100 steps (the quickstart), seed 0, one round
     python benchmarks/step_loop.py --steps 50 --rounds 2 --seed 1
+    python benchmarks/step_loop.py --rounds 2 rollout.engine=embedded   # overrides for megarl's side
 
 Both sides train the quickstart's model (`scripts/prepare_quickstart.py --seed SEED`, run first: the
 tiny Qwen2 after its SFT warm-up; reused when the last one of that seed is current) on the same data with the same
@@ -193,15 +194,15 @@ def run_reference(steps: int, seed: int, threads: int) -> dict:
 
 
 # -- megarl ------------------------------------------------------------------------------------------
-def run_megarl(steps: int, seed: int, run_dir: str) -> dict:
-    """`megarl train` on the quickstart config; wall time, step loop and the parts it prints."""
+def run_megarl(steps: int, seed: int, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
+    """`megarl train` on the quickstart config (plus `overrides`); wall time, step loop and the parts it prints."""
     from quickstart import run_timed
 
     from megarl.trainer.metrics import read_metrics, validation_summary
 
     command = [
         sys.executable, "-m", "megarl.cli", "train", "--config", CONFIG, f"trainer.run_dir={run_dir}",
-        f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"data.seed={seed}",
+        f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"data.seed={seed}", *overrides,
     ]  # fmt: skip
     subprocess.run(["rm", "-rf", run_dir], cwd=REPO, check=True)
     proc, wall = run_timed(command, "megarl train")
@@ -267,16 +268,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=1, help="alternating reference/megarl rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the reference")
     parser.add_argument("--run-dir", default="runs/bench_step_loop")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted config overrides for megarl's side, e.g. rollout.engine=embedded"
+    )
     args = parser.parse_args(argv)
     prepare = ["scripts/prepare_quickstart.py", f"--model={MODEL}", f"--data={DATA}", f"--seed={args.seed}"]
     done = subprocess.run([sys.executable, *prepare], cwd=REPO, check=True, capture_output=True, text=True)
     print(*(line for line in done.stdout.splitlines() if line.startswith("[prepare]")), sep="\n", flush=True)
-    print(f"{args.steps} steps, seed {args.seed}; machine load (1 min) at start {os.getloadavg()[0]:.1f}", flush=True)
+    extra = f"; megarl with {' '.join(args.overrides)}" if args.overrides else ""
+    print(
+        f"{args.steps} steps, seed {args.seed}{extra}; machine load (1 min) at start {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     refs, megs = [], []
     for i in range(args.rounds):
         refs.append(run_reference(args.steps, args.seed, args.threads))
         print(f"  round {i}: reference {refs[-1]['loop_s']:.1f} s", flush=True)
-        megs.append(run_megarl(args.steps, args.seed, args.run_dir))
+        megs.append(run_megarl(args.steps, args.seed, args.run_dir, tuple(args.overrides)))
         print(f"  round {i}: megarl loop {megs[-1]['loop_s']:.1f} s, command {megs[-1]['wall_s']:.1f} s", flush=True)
     return report(refs, megs, args.steps)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -160,29 +161,40 @@ class EmbeddedEngine(RolloutEngine):
 
     # -- batches (worker thread) ------------------------------------------------------------
     def _run_batch(self, batch: list[Pending]) -> list[list[Completion]]:
-        """Requests grouped by prompt length and params (no padding enters the attention)."""
+        """Requests grouped by prompt length and params but the seed (no padding enters the attention): one
+        forward pass per group, each request's rows sampling from its own seed's generator.
+
+        Requests that differ only in their seeds share a batch: the trainer seeds every prompt row apart
+        (`trainer.loop.step_seed`), and a batch per seed ran the quickstart's 16 prompts × 8 samples as 16
+        batches of 8 rows (81 ms a step's generation against 20 ms as one batch of 128)."""
         results: list[list[Completion]] = [[] for _ in batch]
         groups = defaultdict(list)
         for i, pending in enumerate(batch):
-            groups[(len(pending.prompt), pending.params)].append(i)
+            groups[(len(pending.prompt), replace(pending.params, seed=None))].append(i)
         for (_, params), members in groups.items():
-            prompts = [batch[i].prompt for i in members for _ in range(params.n)]
-            ids = [batch[i].request_id for i in members for _ in range(params.n)]
-            completions = self._sample(prompts, params, ids)
+            rows = [i for i in members for _ in range(params.n)]
+            completions = self._sample(
+                [batch[i].prompt for i in rows],
+                params,
+                [batch[i].request_id for i in rows],
+                [batch[i].params.seed for i in rows],
+            )
             for j, i in enumerate(members):
                 results[i] = completions[j * params.n : (j + 1) * params.n]
         return results
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], params: SamplingParams, ids: list[str]) -> list[Completion]:
-        """One batch of equal-length prompts, KV-cached, until every row ended or max_tokens.
+    def _sample(
+        self, prompts: list[list[int]], params: SamplingParams, ids: list[str], seeds: list[Optional[int]]
+    ) -> list[Completion]:
+        """One batch of equal-length prompts, KV-cached, until every row ended or max_tokens; row i samples
+        from the generator of `seeds[i]` (`_Draws`).
 
         Before every forward pass the gate may park the batch (pause keep) or end rows (abort). When
         the weights changed while it was parked, the KV cache is recomputed on the new weights from
         the prompt and the tokens so far (a fresh run from that prefix), as vLLM recomputes its
         preempted requests."""
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        draws = _Draws(seeds, self.device)
         rows = _Rows(torch.tensor(prompts, device=self.device), params)
         past, version, token = None, None, None
         for _ in range(params.max_tokens):
@@ -196,7 +208,7 @@ class EmbeddedEngine(RolloutEngine):
                     logits, past = self._forward(rows.sequences(), None)
                 else:
                     logits, past = self._forward(token[:, None], past)
-            token, logp = _pick(logits, params, generator)
+            token, logp = _pick(logits, params, draws)
             rows.append(token, logp, version)
             if rows.all_ended():
                 break
@@ -270,16 +282,39 @@ def _aborted_before_start(pending: Pending, version: int) -> list[Completion]:
     return [Completion([], [] if pending.params.logprobs else None, "abort", version) for _ in range(pending.params.n)]
 
 
-def _pick(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+class _Draws:
+    """The random draws of a batch's rows: a generator per seed (rows without one share a randomly
+    seeded one), and each seed's rows drawn together, in row order. A request thus samples what it
+    would alone in a batch of its own (given the same probabilities)."""
+
+    def __init__(self, seeds: Sequence[Optional[int]], device):
+        by_seed: dict[Optional[int], list[int]] = defaultdict(list)
+        for row, seed in enumerate(seeds):
+            by_seed[seed].append(row)
+        self.parts = []
+        for seed, rows in by_seed.items():
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+            self.parts.append((generator, torch.tensor(rows, device=device)))
+
+    def multinomial(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of `probs` ([rows, vocab])."""
+        if len(self.parts) == 1:
+            return torch.multinomial(probs, 1, generator=self.parts[0][0])[:, 0]
+        token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        for generator, rows in self.parts:
+            token[rows] = torch.multinomial(probs[rows], 1, generator=generator)[:, 0]
+        return token
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, draws: _Draws) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token, its log-prob) per row: argmax when greedy (log-prob at temperature 1), else a
     sample of the temperature / top-k / top-p distribution and its log-prob under that distribution."""
     if params.greedy:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
     scaled = _truncated(logits / params.temperature, params)
-    token = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+    token = draws.multinomial(scaled.softmax(-1))
     return token, torch.log_softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
 
 

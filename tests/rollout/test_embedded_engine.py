@@ -160,3 +160,23 @@ def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_
     save_tiny_hf_model("qwen2_moe", tmp_path / "moe", seed=0)
     moe = EmbeddedEngine(tmp_path / "moe")
     assert not moe.adopts_update([HFSpec(n, tuple(p.shape), p.dtype) for n, p in moe._params.items()])
+
+
+def test_requests_differing_only_in_seed_share_a_batch_and_sample_as_they_would_alone(engine, monkeypatch):
+    """The trainer seeds every prompt row apart: those requests run as one batch (a forward pass per token
+    for all of them), and each samples the tokens it samples alone."""
+    import asyncio
+
+    prompts = [[3, 14, 15, 9], [26, 5, 35, 8], [9, 79, 32, 38]]
+    params = [SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=seed) for seed in (7, 8, 9)]
+    alone = [[c.token_ids for c in engine.generate_sync([p], s)[0]] for p, s in zip(prompts, params)]
+    passes = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, past: passes.append(ids.shape[0]) or forward(ids, past))
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+    assert [[c.token_ids for c in cs] for cs in engine.run_sync(together())] == alone
+    assert passes == [12] * 5  # 3 requests × 4 samples in every pass, one pass per token
+    assert len({tuple(map(tuple, a)) for a in alone}) == 3  # the seeds do give different samples
