@@ -73,7 +73,7 @@ def _write_buckets_in_parallel(transform_list, use_msc, rank, write_buckets, glo
                 **extra,
             )
             outputs.append(done)
-        except BaseException as err:  # write_preloaded_data returns its own errors; anything else lands here
+        except Exception as err:  # write_preloaded_data returns its own errors; anything else lands here
             outputs.append((index, err))
 
     with _disable_gc():  # as megatron-core's writer: a collection during the writes can break shared CUDA tensors
@@ -86,5 +86,5 @@ def _write_buckets_in_parallel(transform_list, use_msc, rank, write_buckets, glo
         finally:
             for thread in threads:
                 thread.join()
-    failed = [result for _, result in sorted(outputs, key=lambda o: o[0]) if isinstance(result, BaseException)]
+    failed = [result for _, result in sorted(outputs, key=lambda o: o[0]) if isinstance(result, Exception)]
     global_results_queue.put(failed[0] if failed else dict(outputs))
