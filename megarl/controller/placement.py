@@ -73,23 +73,15 @@ def _token_notice_dropped():
     RAY_AUTH_MODE=disabled to opt out"): a line that asks nothing of a `megarl train` user. Dropped here;
     `RAY_AUTH_MODE` set by the user is Ray's to honour, silently, as before."""
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    notice = _MessageFilter("Token authentication is enabled for this Ray cluster")
-    logger.addFilter(notice)
+
+    def not_the_notice(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+    logger.addFilter(not_the_notice)
     try:
         yield
     finally:
-        logger.removeFilter(notice)
-
-
-class _MessageFilter(logging.Filter):
-    """Drops the records whose message starts with `prefix`."""
-
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
+        logger.removeFilter(not_the_notice)
 
 
 def shutdown_ray() -> None:
