@@ -242,7 +242,7 @@ class RolloutConfig:
     verify_weights: bool = True
     """Weight updates that move bytes to another process (vLLM's core by IPC, engine servers by broadcast)
     carry per-tensor checksums the engine checks before loading; a mismatch fails the update naming the
-    tensor. false: skip the check (a few % of the sync time)."""
+    tensor. false: skip the check (on CPU about a third of a copy of the weights on each side)."""
     delta_weights: bool = False
     """rollout.mode=server: after the first update, 16-bit (bf16/fp16) buckets travel as the elements whose
     bits changed (int32 index + value; whole when that is not smaller). Costs a copy of those weights on

@@ -320,6 +320,32 @@ def test_an_ipc_bucket_changed_after_it_was_handed_over_is_refused_naming_its_te
     assert loaded == [e.name for e in buckets[0].entries]  # bucket 1 never reached the loader
 
 
+def test_an_ipc_hop_passes_on_the_checksums_a_bucket_came_with_and_its_worker_checks_them(checkpoint):
+    """An engine server's buckets arrive with the trainer's checksums (`verify_bucket`); its IPC hop to
+    vLLM's workers sends those on instead of summing the bytes again (even with its own `verify` off), and
+    a worker refuses a bucket whose bytes changed on the way, naming the tensor, before loading any of it."""
+    from megarl.rollout.sharding import ipc, protocol
+
+    sender = ipc.IpcSender(engine=None)
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=True))
+    arrived = [protocol.verify_bucket(b, protocol.checksums(b)) for b in buckets]
+    buckets[1].buffer[-1] += 1.0  # changed after the trainer's sums: bucket 1's last tensor
+    loaded = []
+
+    def worker():
+        with ipc.connect_worker(sender.address, sender.authkey) as conn:
+            for bucket in ipc.receive_buckets(conn):
+                loaded.extend(n for n, _ in bucket.tensors())
+
+    def no_new_sums(bucket):
+        raise AssertionError("the IPC hop summed a bucket that came with checksums")
+
+    with mock.patch.object(ipc, "checksums", no_new_sums):
+        with pytest.raises(WeightUpdateError, match=rf"{buckets[1].entries[-1].name!r}.*checksum mismatch"):
+            ipc.serve_buckets(sender.address, sender.authkey, arrived, worker, verify=False)
+    assert loaded == [e.name for e in buckets[0].entries]  # bucket 1 never reached the loader
+
+
 def _rollout_imports(path: Path) -> set[str]:
     """megarl.rollout modules a file imports (anywhere in it, lazy imports included)."""
     found = set()

@@ -14,8 +14,10 @@ bucket's buffer as it is (no concatenation; copied only if the group lives on an
 Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
 kept per bucket position from update to update; on CPU, for an engine that is done with a bucket
 when it asks for the next, one buffer reused by every bucket and update: fresh pages cost several
-times the bytes' copy), check its checksums and hand it to their engine's
-own sender (`senders.sender_for`: in place, or IPC for a vLLM core in a child process), and a final
+times the bytes' copy) and hand it with its checksums to their engine's own sender
+(`senders.sender_for`: in place, or IPC for a vLLM core in a child process), which checks them before
+it loads the bucket (`FlatBucket.tensors`; an IPC hop passes them on to vLLM's workers, which check them
+there: end to end, and the server sums nothing itself), and a final
 all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
 (a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
 and the sender raises `WeightUpdateError` with that engine's message. gloo on CPU (tested), NCCL on GPU.

@@ -15,7 +15,9 @@ buffer the manager keeps between syncs (`FlatBucket.kept`: host memory) crosses 
 updates name it by a token and the worker reads it through the mapping it already has. Each worker
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
-weights) and loads views of it. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
+weights) and loads views of it. A bucket that came with checksums (an engine server's, received by
+broadcast: `FlatBucket.expected`) crosses with those, not with new ones: its workers check the
+trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
 the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
 the third update with the same tensors on, the copies they made are replayed without them (`load_plan`).
 Otherwise (GPU, packed CPU kernels, MoE experts) the views stream into ONE `reload_weights` call
@@ -218,7 +220,10 @@ class IpcChannel:
 
         if bucket is None:
             return None
-        sums = checksums(bucket).tolist() if verify else None
+        if bucket.expected is not None:  # checksums that came with the bucket (an engine server's IPC hop)
+            sums = bucket.expected.tolist()  # are the workers' to check: end to end, none taken again here
+        else:
+            sums = checksums(bucket).tolist() if verify else None
         buffer = bucket.buffer
         storage = buffer.untyped_storage()
         known = self.mapped.get(storage.data_ptr()) if bucket.kept else None

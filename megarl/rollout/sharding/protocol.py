@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -52,9 +52,15 @@ class FlatBucket:
     kept: bool = False
     """The buffer is one the producer keeps from sync to sync (`transport.KeptBuffers`, host memory): the
     same memory in every sync while it is kept, so a transport may map it once (`ipc.IpcChannel`)."""
+    expected: Optional[torch.Tensor] = None
+    """The sender's per-tensor `checksums` of the bytes, still to be checked (`verify_bucket`): `tensors()`
+    checks them before it hands on any view; a transport passing the buffer on passes them on instead."""
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, view of the buffer) per entry; no copy."""
+        """(name, view of the buffer) per entry; no copy. With `expected` checksums, checked first: a
+        mismatch raises WeightUpdateError naming the first tensor that differs, and no view is handed on."""
+        if self.expected is not None:
+            _check(self, self.expected)
         return [(e.name, self.buffer[e.offset : e.offset + e.numel].view(e.shape)) for e in self.entries]
 
     @property
@@ -181,16 +187,20 @@ def _blocked_sums(words: torch.Tensor, spans: list[tuple[int, int]], block: int 
 
 
 def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:
-    """The bucket, if its per-tensor checksums equal the sender's (`checksums`); else WeightUpdateError naming
-    the first tensor that differs."""
-    differ = (checksums(bucket) != expected.to(bucket.buffer.device)).nonzero().flatten().tolist()
+    """The bucket, to be checked against the sender's per-tensor checksums (`checksums`) when its tensors
+    are taken (`FlatBucket.tensors`), or passed on with them by a transport that moves its buffer on
+    (`ipc.IpcSender`: an engine server's vLLM workers check what the trainer summed, end to end)."""
+    return replace(bucket, expected=expected.to(bucket.buffer.device))
+
+
+def _check(bucket: FlatBucket, expected: torch.Tensor) -> None:
+    differ = (checksums(bucket) != expected).nonzero().flatten().tolist()
     if differ:
         more = f" (and {len(differ) - 1} more tensor(s) of its bucket)" if len(differ) > 1 else ""
         raise WeightUpdateError(
             f"weight bucket corrupted on the way: the bytes of tensor {bucket.entries[differ[0]].name!r}{more}"
             " differ from what the trainer sent (checksum mismatch); nothing of the bucket was loaded"
         )
-    return bucket
 
 
 def alloc_flat(numel: int, dtype: torch.dtype, device, *, shared: bool = False) -> torch.Tensor:
