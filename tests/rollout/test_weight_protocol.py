@@ -293,6 +293,19 @@ def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a
     assert sent[3] == dense and sent[4] < dense
 
 
+def loading_worker(sender, loaded: list):
+    """A vLLM worker's side of IPC updates from `sender`: each bucket's tensor names go to `loaded` as they
+    are taken (`FlatBucket.tensors`, which checks the bucket's checksums first)."""
+    from megarl.rollout.sharding import ipc
+
+    def worker():
+        with ipc.connect_worker(sender.address, sender.authkey) as conn:
+            for bucket in ipc.receive_buckets(conn):
+                loaded.extend(n for n, _ in bucket.tensors())
+
+    return worker
+
+
 def test_an_ipc_bucket_changed_after_it_was_handed_over_is_refused_naming_its_tensor(checkpoint):
     """The trainer's side writes into a bucket's buffer after taking its checksums (a buffer reused too
     early): the worker refuses the bucket before loading any of it."""
@@ -301,11 +314,7 @@ def test_an_ipc_bucket_changed_after_it_was_handed_over_is_refused_naming_its_te
     sender = ipc.IpcSender(engine=None)
     buckets = list(bucket_tensors(checkpoint, 200_000, shared=True))
     loaded = []
-
-    def worker():
-        with ipc.connect_worker(sender.address, sender.authkey) as conn:
-            for bucket in ipc.receive_buckets(conn):
-                loaded.extend(n for n, _ in bucket.tensors())
+    worker = loading_worker(sender, loaded)
 
     def racing(bucket):
         sums = ipc_checksums(bucket)
@@ -331,11 +340,7 @@ def test_an_ipc_hop_passes_on_the_checksums_a_bucket_came_with_and_its_worker_ch
     arrived = [protocol.verify_bucket(b, protocol.checksums(b)) for b in buckets]
     buckets[1].buffer[-1] += 1.0  # changed after the trainer's sums: bucket 1's last tensor
     loaded = []
-
-    def worker():
-        with ipc.connect_worker(sender.address, sender.authkey) as conn:
-            for bucket in ipc.receive_buckets(conn):
-                loaded.extend(n for n, _ in bucket.tensors())
+    worker = loading_worker(sender, loaded)
 
     def no_new_sums(bucket):
         raise AssertionError("the IPC hop summed a bucket that came with checksums")
