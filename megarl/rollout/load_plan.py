@@ -20,10 +20,16 @@ parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and end
 3. **Replay** (every later update with those tensors): the noted copies only, tensor by tensor as the
    buckets arrive. An update with other tensors stops replaying at the first one that differs and hands
    the whole update to the real loader (some loaders refuse a tensor without its companions, e.g. a tied
-   `lm_head` without the embedding); the next update records afresh.
+   `lm_head` without the embedding); the next update records afresh, as it does after a failed one.
+
+Integrity (`load_checked`): tensors may come with their sender's checksum still to check
+(`protocol.PendingCheck`). A replayed copy of a whole tensor into one contiguous parameter slice of its
+dtype copies and sums it in one pass (`copysum`) and then compares, so the check costs no second read of
+the bytes (a mismatch is found with the tensor in the model: the update fails as one that had begun
+loading); every other copy, and the real loader, get each tensor only once its check has passed.
 
 Only the in-place CPU path uses it (`sharding.ipc.MegarlWorkerExtension`); the reload path (GPU, packed
-kernels, MoE) keeps vLLM's `reload_weights`. Imports torch only.
+kernels, MoE) keeps vLLM's `reload_weights`. Imports torch, `sharding.protocol` and `sharding.copysum`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.rollout.sharding import copysum
+from megarl.rollout.sharding.protocol import PendingCheck
+
 Weights = Iterable[tuple[str, torch.Tensor]]
+Checked = tuple[str, torch.Tensor, Optional[PendingCheck]]  # a tensor and its checksum check still to pass
 
 
 @dataclass(frozen=True)
@@ -59,9 +69,18 @@ class _Plan:
     def matches(self, index: int, name: str, tensor: torch.Tensor) -> bool:
         return index < len(self.signature) and self.signature[index] == (name, tuple(tensor.shape), tensor.dtype)
 
-    def replay(self, index: int, tensor: torch.Tensor) -> None:
+    def replay(self, index: int, tensor: torch.Tensor, check: Optional[PendingCheck] = None) -> None:
+        """The tensor's recorded copies; with its `check`, in one pass that also sums it (`copysum`) where
+        the tensor goes whole into one contiguous parameter slice of its dtype, else checked first."""
+        copies = self.copies[index]
+        words = check.words() if check is not None and copysum.available() else None
+        if words is not None and len(copies) == 1 and _whole(copies[0], tensor):
+            check.check(copysum.copy_sum(copies[0].dst, words), loaded=True)
+            return
+        if check is not None:
+            check.check()
         base = tensor.storage_offset()
-        for c in self.copies[index]:
+        for c in copies:
             c.dst.copy_(tensor.as_strided(c.size, c.stride, base + c.offset))
 
     def intact(self, parameters: dict[str, torch.Tensor]) -> bool:
@@ -79,18 +98,23 @@ class ReplayingLoader:
         self.replayed = 0  # tensors loaded by replay (tests, logs)
 
     def load(self, model_loader: Callable[[Weights], object], weights: Weights) -> None:
+        self.load_checked(model_loader, ((name, tensor, None) for name, tensor in weights))
+
+    def load_checked(self, model_loader: Callable[[Weights], object], items: Iterable[Checked]) -> None:
+        """`load` of (name, tensor, its pending checksum check or None): a replay checks each tensor as it
+        copies it (`_Plan.replay`); the model's loader gets each tensor once it is checked."""
         plan, self._plan = self._plan, None
         if self.disabled:
-            model_loader(weights)
+            model_loader(_checked_first(items))
         elif plan is None:
-            self._plan = self._record(model_loader, weights)
+            self._plan = self._record(model_loader, _checked_first(items))
         elif not plan.intact(dict(self._parameters())):
             self.disabled = True
-            model_loader(weights)
+            model_loader(_checked_first(items))
         elif plan.validated:
-            self._replay(plan, model_loader, weights)
+            self._replay(plan, model_loader, items)
         else:
-            self._validate(plan, model_loader, weights)
+            self._validate(plan, model_loader, _checked_first(items))
 
     # -- the three steps ------------------------------------------------------------------------
     def _record(self, model_loader, weights: Weights) -> Optional[_Plan]:
@@ -102,13 +126,13 @@ class ReplayingLoader:
             return None
         return recorder.plan()
 
-    def _replay(self, plan: _Plan, model_loader, weights: Weights) -> None:
-        rest, done = iter(weights), []  # done: views of the update's buckets, valid until it ends
-        for index, (name, tensor) in enumerate(rest):
+    def _replay(self, plan: _Plan, model_loader, items: Iterable[Checked]) -> None:
+        rest, done = iter(items), []  # done: views of the update's buckets, valid until it ends
+        for index, (name, tensor, check) in enumerate(rest):
             if not plan.matches(index, name, tensor):  # other tensors: the real loader takes the whole update
-                model_loader(itertools.chain(done, [(name, tensor)], rest))
+                model_loader(itertools.chain(done, _checked_first(itertools.chain([(name, tensor, check)], rest))))
                 return
-            plan.replay(index, tensor)
+            plan.replay(index, tensor, check)
             done.append((name, tensor))
         self.replayed += len(done)
         self._plan = plan  # a whole update, or a prefix of one: the plan stands
@@ -127,6 +151,29 @@ class ReplayingLoader:
             self._plan = plan
         else:
             self.disabled = True
+
+
+def _checked_first(items: Iterable[Checked]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each item, its pending check (if any) passed before it is handed on."""
+    for name, tensor, check in items:
+        if check is not None:
+            check.check()
+        yield name, tensor
+
+
+def _whole(copy: _Copy, tensor: torch.Tensor) -> bool:
+    """Whether the copy takes the whole (contiguous) tensor into a contiguous slice of the same dtype: a
+    byte-for-byte copy."""
+    dst = copy.dst
+    return (
+        copy.offset == 0
+        and copy.size == tuple(tensor.shape)
+        and tensor.is_contiguous()
+        and dst.is_contiguous()
+        and dst.dtype == tensor.dtype
+        and dst.numel() == tensor.numel()
+        and dst.device.type == "cpu"
+    )
 
 
 def _fingerprint(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, bytes]]:

@@ -1,6 +1,7 @@
 """`ReplayingLoader`: an update's copies recorded from the model's own loader, validated on the next
 update, then replayed — and given up where the loader does more than copy."""
 
+import pytest
 import torch
 
 from megarl.rollout.load_plan import ReplayingLoader
@@ -128,3 +129,59 @@ def test_a_parameter_given_new_memory_ends_the_replay():
     model.qkv.data = torch.zeros(6, 4)  # the recorded views now point at memory the model no longer uses
     loader.load(model.load_weights, iter(update(3)))
     assert same(model, loaded(update(3))) and loader.disabled
+
+
+@pytest.fixture(params=["one pass", "no compiler"])
+def native(request, monkeypatch):
+    """The one-pass copy+checksum built here, or missing (no C compiler: checked with torch.sum, then copied)."""
+    from megarl.rollout.sharding import copysum
+
+    if request.param == "no compiler":
+        monkeypatch.setenv("MEGARL_NATIVE_COPY_SUM", "0")
+    copysum._library.cache_clear()
+    yield copysum.available()
+    copysum._library.cache_clear()
+
+
+def checked_bucket(weights):
+    """The update as a received bucket: flat, with the sender's checksums still to be checked."""
+    from megarl.rollout.sharding.protocol import bucket_tensors, checksums, verify_bucket
+
+    (bucket,) = bucket_tensors(weights, 10**6)
+    return verify_bucket(bucket, checksums(bucket))
+
+
+def test_a_replay_checks_each_tensor_as_it_copies_it_and_stops_at_a_corrupted_one(native, monkeypatch):
+    """From the third update on, a tensor the loader copies whole into a parameter (`embed`) is copied and
+    summed in one pass (`copysum`, where it is built); one it takes a slice of (q/k/v) is checked first. A
+    tensor whose bytes changed after the sender's sums fails the update naming it: `embed` as it is copied
+    in one pass (before it, without the helper), `k` before it is copied (and v not loaded either)."""
+    from megarl.rollout import WeightUpdateError
+    from megarl.rollout.sharding import copysum
+
+    model = Toy()
+    loader = ReplayingLoader(model.named_parameters)
+    fused = []
+    real_copy_sum = copysum.copy_sum
+    monkeypatch.setattr(copysum, "copy_sum", lambda dst, words: fused.append(dst.shape) or real_copy_sum(dst, words))
+    for seed in range(3):
+        bucket = checked_bucket(update(seed))
+        loader.load_checked(model.load_weights, bucket.pending())
+        assert same(model, loaded(update(seed)))
+    assert loader.replayed == 4 and fused == ([torch.Size([5, 4])] if native else [])
+
+    bucket = checked_bucket(update(3))
+    bucket.pending()[3][1][-1, -1] += 1.0
+    found = "found as it was copied into the model" if native else "neither it nor any tensor after it"
+    with pytest.raises(WeightUpdateError, match=rf"'embed'.*checksum mismatch.*{found}"):
+        loader.load_checked(model.load_weights, bucket.pending())
+    assert torch.equal(model.qkv, loaded(update(3))["qkv"])
+
+    # a failed update drops the plan: the next one goes through the real loader, each tensor checked first
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    bucket = checked_bucket(update(4))
+    bucket.pending()[1][1][1, 2] += 1.0  # inside the slice the loader takes
+    with pytest.raises(WeightUpdateError, match=r"'k'.*checksum mismatch.*neither it nor any tensor after it"):
+        loader.load_checked(model.load_weights, bucket.pending())
+    assert torch.equal(model.qkv[2:], before["qkv"][2:]) and torch.equal(model.embed, before["embed"])
+    assert torch.equal(model.qkv[:2], update(4)[0][1][:, :4])  # q, before it, was loaded

@@ -15,7 +15,10 @@ buffer the manager keeps between syncs (`FlatBucket.kept`: host memory) crosses 
 updates name it by a token and the worker reads it through the mapping it already has. Each worker
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
-weights) and loads views of it. A bucket that came with checksums (an engine server's, received by
+weights) and loads views of it: the whole bucket before any of it is loaded, except where the worker
+replays its loaders' copies (`load_plan`), which check each tensor as they copy it (`copysum`: one pass
+over the bytes instead of two; a corrupted tensor is found once it is in the model, and the update
+fails as one that had begun loading). A bucket that came with checksums (an engine server's, received by
 broadcast: `FlatBucket.expected`) crosses with those, not with new ones: its workers check the
 trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
 the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
@@ -362,17 +365,17 @@ class MegarlWorkerExtension:
         buckets = receive_buckets(conn, mapped)
         try:
 
-            def stream():
+            def stream():  # in place: (name, view, its pending check); each tensor checked as it is copied
                 for bucket in buckets:
-                    for name, tensor in bucket.tensors():
-                        names.append(name)
-                        yield name, tensor
+                    for item in bucket.pending() if in_place else bucket.tensors():
+                        names.append(item[0])
+                        yield item
 
             if in_place:  # plain CPU weights (`plain_cpu_linear_weights`): the model's loaders copy into them
                 from vllm.config import set_current_vllm_config
 
                 with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                    in_place.load(self.get_model().load_weights, stream())
+                    in_place.load_checked(self.get_model().load_weights, stream())
             else:
                 self.reload_weights(weights_iterator=stream())
             if next(buckets, None) is not None:  # the update's end must be read here, not by the next update

@@ -8,8 +8,9 @@ bucketing of tensors that do not come from the sharding manager),
 `check_bucket` (a bucket against the announced specs), `alloc_flat` (fresh, optionally
 shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a
 SIGBUS) and the integrity check of transports that move bytes (`checksums` on the trainer's side,
-`verify_bucket` on the engine's). Imports torch, `plan` and `shm` only: no engine, no transport,
-no vLLM / Ray.
+`verify_bucket` on the engine's: a received bucket carries the sums until its tensors are taken;
+`PendingCheck`, one tensor's, for a consumer that checks as it copies). Imports torch, `plan` and `shm`
+only: no engine, no transport, no vLLM / Ray.
 
 One update, whatever the transport:
 
@@ -63,9 +64,61 @@ class FlatBucket:
             _check(self, self.expected)
         return [(e.name, self.buffer[e.offset : e.offset + e.numel].view(e.shape)) for e in self.entries]
 
+    def pending(self) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
+        """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
+        as it copies it (`load_plan.ReplayingLoader.load_checked`). The check is None without `expected`."""
+        return [
+            (
+                e.name,
+                self.buffer[e.offset : e.offset + e.numel].view(e.shape),
+                None if self.expected is None else PendingCheck(self, i),
+            )
+            for i, e in enumerate(self.entries)
+        ]
+
     @property
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
+
+
+@dataclass(frozen=True)
+class PendingCheck:
+    """One tensor of a received bucket (`FlatBucket.pending`) whose sender's checksum is still to be checked."""
+
+    bucket: FlatBucket
+    index: int
+
+    @property
+    def name(self) -> str:
+        return self.bucket.entries[self.index].name
+
+    def words(self) -> Optional[torch.Tensor]:
+        """The int64 words holding exactly the tensor's bytes, whose sum is its checksum (CPU); None where
+        its bytes begin or end inside a word (its checksum then covers a neighbour's bytes too)."""
+        entry, buffer = self.bucket.entries[self.index], self.bucket.buffer
+        size = buffer.element_size()
+        start, end = entry.offset * size, (entry.offset + entry.numel) * size
+        raw = buffer.view(torch.uint8)
+        if buffer.is_cuda or raw.data_ptr() % 8 or start % 8 or end % 8:
+            return None
+        return raw[start:end].view(torch.int64)
+
+    def check(self, got: Optional[int] = None, *, loaded: bool = False) -> None:
+        """Raise WeightUpdateError naming the tensor where its checksum differs from the sender's: `got`, its
+        words' sum taken while copying it in (`loaded`: it is in the model now), else taken here."""
+        expected = int(self.bucket.expected[self.index])
+        if got is None:
+            got = int(checksums(FlatBucket(self.bucket.buffer, (self.bucket.entries[self.index],)))[0])
+        if got != expected:
+            raise WeightUpdateError(
+                f"weight bucket corrupted on the way: the bytes of tensor {self.name!r} differ from what the"
+                " trainer sent (checksum mismatch); "
+                + (
+                    "found as it was copied into the model"
+                    if loaded
+                    else "neither it nor any tensor after it was loaded"
+                )
+            )
 
 
 class Sender(Protocol):
