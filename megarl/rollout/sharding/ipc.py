@@ -15,10 +15,11 @@ buffer the manager keeps between syncs (`FlatBucket.kept`: host memory) crosses 
 updates name it by a token and the worker reads it through the mapping it already has. Each worker
 rebuilds the tensor, checks its checksums (so a buffer the trainer reused or freed too early, or a
 handle that maps the wrong memory, fails the update naming the tensor instead of loading wrong
-weights) and loads views of it: the whole bucket before any of it is loaded, except where the worker
-replays its loaders' copies (`load_plan`), which check each tensor as they copy it (`copysum`: one pass
-over the bytes instead of two; a corrupted tensor is found once it is in the model, and the update
-fails as one that had begun loading). A bucket that came with checksums (an engine server's, received by
+weights) and loads views of it: for `reload_weights`, the whole bucket before any of it is loaded; in
+place, each tensor before its loader gets it, or, where the worker replays its loaders' copies
+(`load_plan`), as the copy is made (`copysum`: one pass over the bytes instead of two; a corrupted
+tensor is then found once it is in the model, and the update fails as one that had begun loading;
+any IPC update counts as begun from its first bucket, `UpdateProgress`). A bucket that came with checksums (an engine server's, received by
 broadcast: `FlatBucket.expected`) crosses with those, not with new ones: its workers check the
 trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
 the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
