@@ -73,8 +73,9 @@ class _Plan:
         """The tensor's recorded copies; with its `check`, in one pass that also sums it (`copysum`) where
         the tensor goes whole into one contiguous parameter slice of its dtype, else checked first."""
         copies = self.copies[index]
-        words = check.words() if check is not None and copysum.available() else None
-        if words is not None and len(copies) == 1 and _whole(copies[0], tensor):
+        one_pass = check is not None and len(copies) == 1 and _whole(copies[0], tensor) and copysum.available()
+        words = check.words() if one_pass else None
+        if words is not None:
             check.check(copysum.copy_sum(copies[0].dst, words), loaded=True)
             return
         if check is not None:

@@ -19,9 +19,9 @@ weights) and loads views of it: for `reload_weights`, the whole bucket before an
 place, each tensor before its loader gets it, or, where the worker replays its loaders' copies
 (`load_plan`), as the copy is made (`copysum`: one pass over the bytes instead of two; a corrupted
 tensor is then found once it is in the model, and the update fails as one that had begun loading;
-any IPC update counts as begun from its first bucket, `UpdateProgress`). A bucket that came with checksums (an engine server's, received by
-broadcast: `FlatBucket.expected`) crosses with those, not with new ones: its workers check the
-trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
+any IPC update counts as begun from its first bucket, `UpdateProgress`). A bucket that came with
+checksums (an engine server's, received by broadcast: `FlatBucket.expected`) crosses with those, not
+with new ones: its workers check the trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
 the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
 the third update with the same tensors on, the copies they made are replayed without them (`load_plan`).
 Otherwise (GPU, packed CPU kernels, MoE experts) the views stream into ONE `reload_weights` call

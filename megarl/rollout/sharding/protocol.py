@@ -62,19 +62,18 @@ class FlatBucket:
         mismatch raises WeightUpdateError naming the first tensor that differs, and no view is handed on."""
         if self.expected is not None:
             _check(self, self.expected)
-        return [(e.name, self.buffer[e.offset : e.offset + e.numel].view(e.shape)) for e in self.entries]
+        return [(e.name, self._view(e)) for e in self.entries]
 
     def pending(self) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
         """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
         as it copies it (`load_plan.ReplayingLoader.load_checked`). The check is None without `expected`."""
         return [
-            (
-                e.name,
-                self.buffer[e.offset : e.offset + e.numel].view(e.shape),
-                None if self.expected is None else PendingCheck(self, i),
-            )
+            (e.name, self._view(e), None if self.expected is None else PendingCheck(self, i))
             for i, e in enumerate(self.entries)
         ]
+
+    def _view(self, entry: HFSlot) -> torch.Tensor:
+        return self.buffer[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     @property
     def dtype(self) -> torch.dtype:
