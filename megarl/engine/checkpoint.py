@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.models import dcp_save
 from megarl.models.convert import MARKER, read_metadata, write_hf_shards
-from megarl.models.dcp_save import save_strategy
 from megarl.models.hf_io import CheckpointError, copy_hf_side_files
 from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
 
@@ -225,14 +225,10 @@ def _meta(engine) -> dict:
 
 def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
     """Write model, optimizer, scheduler, RNG and step into `path` atomically (collective)."""
-    from megatron.core import dist_checkpointing
-
     target = check_target(path, overwrite)
     staging = shared_staging_dir(target)
     try:
-        dist_checkpointing.save(
-            _full_state(engine, loading=False, with_rng=True), str(staging), sharded_strategy=save_strategy()
-        )
+        dcp_save.save(_full_state(engine, loading=False, with_rng=True), staging)
         if dist.get_rank() == 0:
             copy_hf_side_files(Path(engine.hf_path), staging / "hf")
         meta = _meta(engine)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megarl.models.dcp_save import save_strategy
+from megarl.models import dcp_save
 from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.models.hf_io import CheckpointError, HFCheckpointReader, HFShardWriter, copy_hf_side_files, write_index
 from megarl.models.layout import ParallelLayout
@@ -185,8 +185,6 @@ def _ep_rank() -> int:
 
 
 def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
-    from megatron.core import dist_checkpointing
-
     staging = None
     try:
         bridge, chunks, tp_rank, pp_rank = _build(plan, plan.src)
@@ -198,7 +196,7 @@ def hf_to_mcore_rank(plan: ConversionPlan) -> dict:
             )
         loaded = time.perf_counter()
         staging = shared_staging_dir(Path(plan.dst))
-        dist_checkpointing.save(sharded_model_state(chunks), str(staging), sharded_strategy=save_strategy())
+        dcp_save.save(sharded_model_state(chunks), staging)
         meta = {
             "format_version": FORMAT_VERSION,
             "kind": "model",

@@ -77,3 +77,58 @@ def test_an_unchecked_megatron_core_keeps_its_own_writer(monkeypatch):
     monkeypatch.setattr(megatron_patches, "installed_mcore_version", lambda: dcp_save.CHECKED_MCORE_VERSIONS[0])
     dcp_save._install_parallel_writers(writer)
     assert writer.__dict__["write_preloaded_data_multithread"].__func__ is dcp_save._write_buckets_in_parallel
+
+
+def _save_views(directory: str) -> tuple:
+    """Saves two contiguous halves of one tensor and a strided view through `dcp_save.save`, counting
+    the tensors cloned meanwhile; returns (numels cloned, whether each loads back as saved)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megarl.models import dcp_save
+
+    whole = torch.arange(2 * 4096, dtype=torch.float32).view(2, 4096)
+    views = {"top": whole[0], "bottom": whole[1], "strided": torch.arange(2 * 4096.0).view(4096, 2)[:, 1]}
+    expected = {name: view.clone() for name, view in views.items()}
+    cloned, clone, inside = [], torch.Tensor.clone, []
+
+    def counting_clone(self, *args, **kwargs):
+        if not inside:  # megarl's CPU device mode hands the call back to torch.Tensor.clone: count it once
+            cloned.append(self.numel())
+        inside.append(True)
+        try:
+            return clone(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    torch.Tensor.clone = counting_clone
+    try:
+        dcp_save.save({n: ShardedTensor.from_rank_offsets(n, v, replica_id=0) for n, v in views.items()}, directory)
+    finally:
+        torch.Tensor.clone = clone
+    empty = {n: ShardedTensor.from_rank_offsets(n, torch.empty(4096), replica_id=0) for n in views}
+    loaded = dist_checkpointing.load(empty, directory)
+    return cloned, {name: torch.equal(loaded[name], expected[name]) for name in views}
+
+
+def test_a_save_writes_contiguous_views_without_copying_them(tmp_path):
+    # megatron-core's writer clones every view of a larger tensor (each half of a SwiGLU fc1; in a trainer
+    # every parameter in DDP's buffer): only the strided view, which has no bytes of its own, is copied
+    (cloned, equal) = run_distributed(_save_views, 1, str(tmp_path), timeout=120)[0]
+    assert cloned == [4096]
+    assert equal == {"top": True, "bottom": True, "strided": True}
+
+
+def test_own_storage_is_the_same_memory_with_a_storage_of_its_own():
+    from megarl.models.dcp_save import own_storage
+
+    whole = torch.randn(4, 6).to(torch.bfloat16)
+    half = whole[2:]
+    mine = own_storage(half)
+    assert mine.data_ptr() == half.data_ptr() and mine.dtype == torch.bfloat16 and mine.shape == (2, 6)
+    assert mine.untyped_storage().nbytes() == 2 * 6 * 2
+    assert torch.equal(mine, half)
+    whole[3, 0] = 7.0  # the same memory, not a copy
+    assert mine[1, 0].item() == 7.0
+    assert own_storage(whole) is whole and own_storage(whole.t()) is not None
+    assert own_storage(whole[:, :3]) is not None and own_storage(whole[:, :3]).untyped_storage().nbytes() == 48
