@@ -26,25 +26,24 @@ def _save_with_writers_meeting(directory: str, failing_file: int = -1) -> dict:
     import threading
 
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    from megarl.models.dcp_save import save_strategy
+    from megarl.models import dcp_save
 
-    strategy = save_strategy(FILES)
-    write = FileSystemWriterAsync.write_preloaded_data
+    strategy = dcp_save.save_strategy(FILES)
+    write = dcp_save._write_file
     meet = threading.Barrier(FILES, timeout=10)
 
-    def meeting_write(transform_list, **kwargs):  # megatron-core calls it with keywords
+    def meeting_write(transform_list, index, bucket):
         meet.wait()
-        if kwargs["local_proc_idx"] == failing_file:
+        if index == failing_file:
             raise OSError("no space left on device (test)")
-        return write(transform_list, **kwargs)
+        return write(transform_list, index, bucket)
 
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(meeting_write)
+    dcp_save._write_file = meeting_write
     try:
         dist_checkpointing.save(_state(fill=True), directory, sharded_strategy=strategy)
     finally:
-        FileSystemWriterAsync.write_preloaded_data = staticmethod(write)
+        dcp_save._write_file = write
     loaded = dist_checkpointing.load(_state(fill=False), directory)
     return {key: sorted(set(value.tolist())) for key, value in loaded.items()}
 
@@ -132,3 +131,59 @@ def test_own_storage_is_the_same_memory_with_a_storage_of_its_own():
     assert mine[1, 0].item() == 7.0
     assert own_storage(whole) is whole and own_storage(whole.t()) is not None
     assert own_storage(whole[:, :3]) is not None and own_storage(whole[:, :3]).untyped_storage().nbytes() == 48
+
+
+def test_a_file_written_behind_leaves_the_page_cache_once_on_disk(tmp_path, monkeypatch):
+    import os
+
+    from megarl.models.dcp_save import WriteBehindFile
+
+    calls = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(("sync", os.fstat(fd).st_size)))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.fstat(fd).st_size)))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(("drop", off, n, advice)))
+    data = bytes(range(256)) * 1000  # 256,000 bytes in writes of 7,000
+    with WriteBehindFile(tmp_path / "f", chunk=64 << 10) as f:
+        for start in range(0, len(data), 7000):
+            f.write(data[start : start + 7000])
+        f.sync()
+    assert (tmp_path / "f").read_bytes() == data
+    drops = [c for c in calls if c[0] == "drop"]
+    # every 64 KiB, what was written is synced first, then dropped; the drops tile the file from its start
+    assert [c[0] for c in calls] == ["sync", "drop"] * len(drops) + ["fsync"] and len(drops) == 3
+    assert all(c[3] == os.POSIX_FADV_DONTNEED for c in drops)
+    assert [(off, off + n) for _, off, n, _ in drops] == [(0, 70000), (70000, 140000), (140000, 210000)]
+    assert [size for kind, size, *_ in calls if kind == "sync"] == [70000, 140000, 210000]
+    assert calls[-1] == ("fsync", len(data))
+
+
+def _save_written_behind(directory: str) -> dict:
+    import functools
+
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import filesystem
+
+    from megarl.models import dcp_save
+
+    dcp_save.WRITE_BEHIND_BYTES = 4096  # drop behind every few tensors of `_state`
+    write_item, crc_while_writing = filesystem._write_item, set()
+
+    @functools.wraps(write_item)  # its signature tells megarl's writer which arguments it takes
+    def watched_write_item(*args, **kwargs):
+        crc_while_writing.add(torch.serialization.get_crc32_options())
+        return write_item(*args, **kwargs)
+
+    filesystem._write_item = watched_write_item
+    dcp_save.save(_state(fill=True), directory)
+    loaded = dist_checkpointing.load(_state(fill=False), directory)
+    return {
+        "loaded": {key: sorted(set(value.tolist())) for key, value in loaded.items()},
+        "crc32 while writing": crc_while_writing,
+        "crc32 after": torch.serialization.get_crc32_options(),
+    }
+
+
+def test_a_checkpoint_written_behind_without_zip_checksums_loads_back(tmp_path):
+    (seen,) = run_distributed(_save_written_behind, 1, str(tmp_path), timeout=120)
+    assert seen["loaded"] == {f"w{i}": [float(i)] for i in range(TENSORS)}
+    assert seen["crc32 while writing"] == {False} and seen["crc32 after"] is True
