@@ -2,7 +2,11 @@
 
 Packages: `models` (HF ↔ megatron-core bridge and conversion), `data` (batch type, prompt
 datasets, balancing), `algorithms` (advantages, losses, KL), `rewards` (rule, sandboxed code and
-model rewards), `utils`. Importing `megarl` imports nothing heavy.
+model rewards), `utils`. Importing `megarl` imports nothing heavy; it defers torch.compile's cost
+in this process's first import of megatron.core (`megarl.utils.lazy_compile`).
 """
 
+from megarl.utils import lazy_compile as _lazy_compile
+
 __version__ = "0.1.0"
+_lazy_compile.install()

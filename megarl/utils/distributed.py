@@ -110,10 +110,14 @@ def init_process_group_from_env() -> None:
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
+    "megarl",  # before megatron.core: its import then defers torch.compile (megarl.utils.lazy_compile)
     "megatron_patches",
     "megatron.core",
     "megatron.core.models.gpt",
     "transformers.models.auto.configuration_auto",
+    # what every model's configuration module imports (activations → flash_attention → generation →
+    # torch._dynamo): 0.5 s a rank otherwise, once megatron.core no longer imports torch's compiler
+    "transformers.utils.type_validators",
 ]
 
 

@@ -1,0 +1,103 @@
+"""megatron-core imported without paying for torch's compiler up front.
+
+megatron-core decorates its fused element-wise functions with `torch.compile` as it is imported
+(`megatron.core.jit.jit_fuser`). The first `torch.compile(fn)` of a process imports torch's inductor
+and export stacks: 2.1 of the 4.1–4.2 s `import megatron.core` took on this 2-core VM (2.0 s with
+the compile deferred). Every process that imports megatron-core pays it: the rank server and so every
+conversion, each Ray worker of a training run, vLLM-free test ranks.
+
+`install()` (called by `import megarl`) puts a finder on `sys.meta_path` that, when `megatron.core` is
+first imported, runs its package import with `torch.compile` replaced by `deferred_compile`: each
+function megatron decorates then gets a wrapper that calls `torch.compile(fn, ...)` at its first call,
+and that compiled function from then on. torch.compile itself compiles only at the first call too, so
+nothing compiles later than before; only the compiler's import moves to the first fused call (if
+any: megarl's CPU runs make none). Modules (`torch.compile(module)`) and every call outside megatron's
+import get the real torch.compile. A process that imported megatron.core before megarl keeps the
+normal import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.util
+import sys
+import threading
+
+TARGET = "megatron.core"
+
+
+def deferred_compile(real_compile):
+    """A stand-in for `torch.compile` that compiles a function at its first call (same arguments)."""
+
+    def compile_later(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: compile_later(fn, **options)
+        import torch
+
+        if isinstance(model, torch.nn.Module) or not callable(model):
+            return real_compile(model, **options)
+        compiled = []
+        lock = threading.Lock()
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            if not compiled:
+                with lock:
+                    if not compiled:
+                        compiled.append(real_compile(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return first_call_compiles
+
+    return compile_later
+
+
+@contextlib.contextmanager
+def compile_deferred():
+    """Within: `torch.compile` of a function defers the compile to the function's first call."""
+    import torch
+
+    real = torch.compile
+    torch.compile = deferred_compile(real)
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+class _MegatronImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the first import of `megatron.core` it removes itself, asks the other
+    finders for the package, and wraps the package's execution in `compile_deferred()`."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET:
+            return None
+        uninstall()
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            with compile_deferred():
+                execute(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_finder = _MegatronImportFinder()
+
+
+def install() -> None:
+    """Defer torch.compile during this process's first import of megatron.core (idempotent; nothing
+    if megatron.core is already imported)."""
+    if TARGET not in sys.modules and _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def uninstall() -> None:
+    with contextlib.suppress(ValueError):
+        sys.meta_path.remove(_finder)
