@@ -112,19 +112,25 @@ def plan_mcore_to_hf(
     return ConversionPlan(str(mcore_path), str(hf_path), layout, meta["dtype"], overwrite)
 
 
-def run_plan(fn, plan: ConversionPlan):
-    """Run a per-rank conversion function under torchrun (if launched so) or on spawned local ranks."""
+def run_plan(fn, plan: ConversionPlan, *, share_threads: bool = False):
+    """Run a per-rank conversion function under torchrun (if launched so) or on spawned local ranks.
+
+    share_threads: the local ranks split this process's torch threads. For hf→mcore, where every rank
+    does the same work: at torch's default (every core each), two TP2 ranks on two cores spent 0.35–0.72 s
+    reading their halves, against 0.20–0.25 s at one thread each. Not for mcore→hf, whose rank 0 writes
+    the whole HF checkpoint."""
     from megarl.utils import distributed
 
     if distributed.in_launched_world():
         distributed.init_process_group_from_env()
         return fn(plan)
-    return distributed.run_distributed(fn, plan.world_size, plan)[0]
+    threads = max(1, torch.get_num_threads() // plan.world_size) if share_threads else None
+    return distributed.run_distributed(fn, plan.world_size, plan, num_threads=threads)[0]
 
 
 def hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
     """Convert an HF checkpoint into a megatron-core distributed checkpoint; returns its metadata."""
-    return run_plan(hf_to_mcore_rank, plan_hf_to_mcore(hf_path, mcore_path, layout, **kwargs))
+    return run_plan(hf_to_mcore_rank, plan_hf_to_mcore(hf_path, mcore_path, layout, **kwargs), share_threads=True)
 
 
 def mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
