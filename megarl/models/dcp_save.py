@@ -59,7 +59,7 @@ WRITER_THREADS = 2
 
 def save(sharded_state_dict: dict, directory) -> None:
     """`dist_checkpointing.save` of `sharded_state_dict` (built for this call: its factories are applied
-    in place) into `directory`, synchronously, through `save_strategy()`; no tensor is copied."""
+    in place) into `directory`, synchronously, through `save_strategy()`; no contiguous tensor is copied."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories

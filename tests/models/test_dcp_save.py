@@ -1,6 +1,7 @@
 """megarl's torch_dist saves (`megarl.models.dcp_save`): a rank's files are written by threads running at
-the same time, a writer's failure fails the save, and megatron-core versions nobody checked keep their
-own writer."""
+the same time, a writer's failure fails the save, megatron-core versions nobody checked keep their own
+writer, contiguous views are written without copies, and files are written behind (synced, then dropped
+from the page cache) without zip checksums, loading back as saved."""
 
 import pytest
 import torch
