@@ -17,11 +17,15 @@ taken fails the update naming its tensor, and the next update (a new channel) su
 
 Timed (best of --repeats, alternating, each ending with the device synchronized on both sides):
   * copy            — one `dst.copy_(src)` of all the weights' bytes (the memory floor);
-  * checksums       — `protocol.checksums` of every bucket (one read of the bytes);
+  * checksums       — `protocol.checksums` of every bucket (one read of the bytes; on a GPU one Triton
+                      launch per bucket, `devicesum`);
   * pack            — the weights copied into the kept buckets (the trainer side's part of a sync);
-  * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them.
+  * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them;
+  * on a GPU, checksums-blocked / ipc-blocked-sums and checksums-per-tensor / ipc-per-tensor-sums — the
+    same with the checksums' earlier GPU forms on both sides (`protocol._blocked_sums`: about ten kernels
+    per bucket; `protocol._looped_sums`: a reduction per tensor).
 Prints each one's GB/s and its ratio against `copy` (bytes/s), and the integrity check's share of the
-verified sync (ipc / ipc-unverified - 1).
+verified sync (ipc / ipc-unverified - 1), per form.
 """
 
 from __future__ import annotations
@@ -73,14 +77,14 @@ def engine_process(shapes, dtype, device: str, control: Connection) -> None:
     """The "engine": its own parameters; per ("load", address, authkey) it receives one update over the
     channel (connecting anew when the address changed or the last update failed) and copies every tensor in."""
     params = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes}
-    blocked = protocol._blocked_sums
+    forms = sums_forms()
     conn, address, mapped = None, None, {}
     while (message := control.recv())[0] != "stop":
         if message[0] == "sums":
             control.send(word_sums(params))
             continue
-        if message[0] == "per-tensor":  # the CPU form of the checksums here too (`per_tensor_sums`)
-            protocol._blocked_sums = protocol._looped_sums if message[1] else blocked
+        if message[0] == "form":  # the checksums' form here too (`with_sums_form`)
+            protocol._gpu_sums = forms[message[1]]
             continue
         _, new_address, authkey = message
         try:
@@ -183,16 +187,21 @@ def check(trainer: Trainer) -> None:
     print("check passed: verified syncs are bit-identical; a corrupted bucket is refused, the next update lands")
 
 
-def per_tensor_sums(trainer: Trainer):
-    """Runs a function with the checksums taken a tensor at a time on both sides (the CPU form)."""
+def sums_forms() -> dict:
+    """The GPU checksums' forms: one Triton launch per bucket (the default), block sums, a sum per tensor."""
+    return {"kernel": protocol._gpu_sums, "blocked": protocol._blocked_sums, "per-tensor": protocol._looped_sums}
+
+
+def with_sums_form(trainer: Trainer, form: str):
+    """Runs a function with the checksums taken in another form on both sides."""
 
     def run(fn):
-        trainer.control.send(("per-tensor", True))
-        with mock.patch.object(protocol, "_blocked_sums", protocol._looped_sums):
+        trainer.control.send(("form", form))
+        with mock.patch.object(protocol, "_gpu_sums", sums_forms()[form]):
             try:
                 fn()
             finally:
-                trainer.control.send(("per-tensor", False))
+                trainer.control.send(("form", "kernel"))
 
     return run
 
@@ -227,10 +236,11 @@ def main() -> None:
             "ipc-unverified": lambda: trainer.sync(verify=False),
             "ipc": lambda: trainer.sync(verify=True),
         }
-        if args.device != "cpu":  # the GPU's checksums come from block sums; the CPU form sums per tensor
-            per_tensor = per_tensor_sums(trainer)
-            paths["checksums-per-tensor"] = lambda: per_tensor(lambda: [checksums(b) for b in trainer.buckets])
-            paths["ipc-per-tensor-sums"] = lambda: per_tensor(lambda: trainer.sync(verify=True))
+        if args.device != "cpu":  # the GPU's checksums in one launch per bucket, against the earlier forms
+            for form in ("blocked", "per-tensor"):
+                run = with_sums_form(trainer, form)
+                paths[f"checksums-{form}"] = lambda run=run: run(lambda: [checksums(b) for b in trainer.buckets])
+                paths[f"ipc-{form}-sums"] = lambda run=run: run(lambda: trainer.sync(verify=True))
         for fn in paths.values():  # warm-up: kernels, mappings
             fn()
         best = {name: float("inf") for name in paths}
@@ -245,8 +255,9 @@ def main() -> None:
             f"  {best['copy'] / seconds:5.2f}x of a copy"
         )
     print(f"integrity check's share of the verified sync: {best['ipc'] / best['ipc-unverified'] - 1:+.1%}")
-    if "ipc-per-tensor-sums" in best:
-        print(f"  with a sum per tensor: {best['ipc-per-tensor-sums'] / best['ipc-unverified'] - 1:+.1%}")
+    for form in ("blocked", "per-tensor"):
+        if f"ipc-{form}-sums" in best:
+            print(f"  with {form} sums: {best[f'ipc-{form}-sums'] / best['ipc-unverified'] - 1:+.1%}")
 
 
 if __name__ == "__main__":

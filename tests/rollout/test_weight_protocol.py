@@ -97,6 +97,77 @@ def test_checksums_from_block_sums_equal_the_per_tensor_sums(dtype):
             assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_blocks)
 
 
+_TRITON_SUMS_CHECK = """
+import itertools, sys
+from unittest import mock
+import torch
+from megarl.rollout.sharding import devicesum, protocol
+from megarl.rollout.sharding.plan import HFSlot
+
+assert devicesum.available(torch.device("cpu"))
+devicesum.PIECE, devicesum.BLOCK = 5, 2  # spans of several pieces, pieces of several loop steps
+generator = torch.Generator().manual_seed(0)
+for dtype, lead in itertools.product((torch.bfloat16, torch.float32, torch.int8), range(4)):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes = [(3,), (5, 7), (1,), (2, 2, 3), (11,), (4, 1), (9, 9)]
+    numel = sum(torch.Size(shape).numel() for shape in shapes)
+    words = torch.randint(-(2**62), 2**62, (numel + lead,), dtype=torch.int64, generator=generator)
+    buffer = words.view(torch.uint8)[: (numel + lead) * itemsize].view(dtype)[lead:]
+    entries, offset = [], 0
+    for i, shape in enumerate(shapes):
+        entries.append(HFSlot(f"t{i}", shape, offset))
+        offset += torch.Size(shape).numel()
+    bucket = protocol.FlatBucket(buffer, tuple(entries))
+    with mock.patch.object(protocol, "_looped_sums", devicesum.span_sums):
+        from_kernel = protocol.checksums(bucket)
+        changed = buffer.clone()
+        changed.view(torch.uint8)[-1] ^= 1
+        assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_kernel)
+    assert torch.equal(from_kernel, protocol.checksums(bucket)), (dtype, lead)
+print("ok", len(devicesum._TABLES))
+"""
+
+
+def test_checksums_from_the_triton_kernel_equal_the_per_tensor_sums():
+    """The GPU's one-launch form of `protocol.checksums` (`devicesum.span_sums`: spans cut into pieces, each
+    piece summed by one Triton program and added into its tensor's sum) equals the CPU form, run by Triton's
+    interpreter on CPU tensors (in a fresh interpreter: TRITON_INTERPRET is read when the kernel is defined)
+    on buckets whose tensors straddle words and pieces, off a word boundary, with wrapping sums."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _TRITON_SUMS_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "3"]  # a device table per bucket layout: one per dtype, whatever the lead
+
+
+def test_gpu_checksums_fall_back_to_block_sums_when_the_kernel_fails(monkeypatch, caplog):
+    """A Triton kernel that fails to build or run (a GPU Triton does not support) is logged once and not tried
+    again; the checksums come from block sums, the same values."""
+    from megarl.rollout.sharding import devicesum, protocol
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # `available` then accepts CPU tensors
+    monkeypatch.setattr(devicesum, "_FAILED", [])
+    calls = []
+
+    def failing(words, spans):
+        calls.append(1)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_61")
+
+    monkeypatch.setattr(devicesum, "span_sums", failing)
+    words = torch.randint(-(2**62), 2**62, (1000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    spans = [(0, 800), (800, 3001), (3001, 8000)]
+    assert devicesum.available(words.device)
+    with caplog.at_level("WARNING", logger=devicesum.__name__):
+        for _ in range(2):
+            assert torch.equal(protocol._gpu_sums(words, spans), protocol._looped_sums(words, spans))
+    assert len(calls) == 1 and not devicesum.available(words.device)
+    assert "sm_61" in caplog.text
+
+
 def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkeypatch):
     buckets = list(bucket_tensors(checkpoint, 200_000))
     seen = []
