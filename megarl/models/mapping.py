@@ -326,7 +326,10 @@ class GateUpMapping(Mapping):
         """Every shard is [gate_r; up_r]: the gate halves, then the up halves, concatenated into `out`."""
         halves = [s.chunk(2, dim=0) for s in shards]
         full = _flat_view(out, 0, (sum(s.shape[0] for s in shards), *shards[0].shape[1:]))
-        torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=full)
+        row = 0
+        for half in [h[0] for h in halves] + [h[1] for h in halves]:  # copies, not cat(out=): see `writesums`
+            full[row : row + half.shape[0]].copy_(half)
+            row += half.shape[0]
         return list(full.chunk(2, dim=0))
 
     def shard_to_hf(self, shard, rank, size, dims, out):

@@ -125,11 +125,14 @@ def check_sync(snaps, actor, weights, actor_path, atol):
 def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="embedded", host_shm=True):
     """Every rank of the actor; the rollout rank hosts the engine (colocated). Sync, perturb, sync, sync.
     host_shm: senders write into the rollout rank's shared memory (False: gloo messages)."""
+    from megarl.rollout.sharding import writesums
     from megarl.rollout.sharding.manager import ShardingManager
+    from megarl.rollout.sharding.protocol import checksums
     from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, layout)
     manager = ShardingManager(bridge, chunks, bucket_bytes=64 << 10, host_shm=host_shm)
+    writesums.MIN_BUCKET_BYTES = 0  # this tiny model's buckets are summed by their writers too
     engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
     sender = sender_for(engine, adopt=True) if engine is not None else None
     snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank, "host_shm": manager.peers is not None}
@@ -156,6 +159,11 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
             kept_after_first == {k: b.data_ptr() for k, b in kept.buffers.items()},
         )
         snapshot("resynced")
+        # the checksums the writers took as they wrote each bucket (shared memory), against the bucket's own
+        found = [
+            (f.sums is not None, f.sums is None or torch.equal(f.sums, checksums(f))) for f in manager.iter_buckets()
+        ]
+        out["writer_sums"] = (sum(taken for taken, _ in found), all(equal for _, equal in found))
         if engine is not None:
             out["weights"] = reference
             if backend == "embedded":

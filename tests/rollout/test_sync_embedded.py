@@ -50,6 +50,10 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout, 
     kept, reused = rollout["kept_reused"]
     assert kept >= rollout["buckets"] and reused  # every sync wrote into the same buffers (the parameters)
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
+    # over shared memory every bucket comes with the checksums its writers took as they wrote it, equal to the
+    # bucket's own (`writesums`); over gloo none does
+    taken, equal = rollout["writer_sums"]
+    assert equal and taken == (rollout["buckets"] if host_shm else 0), (taken, rollout["buckets"])
 
 
 @pytest.mark.parametrize("host_shm", [True, False], ids=["shm", "gloo"])

@@ -175,8 +175,12 @@ class BroadcastSender:
             self.group.broadcast(changed)
             moving = self.group.broadcast(values, wait=False)
             self.sent_bytes += changed.numel() * 4 + values.numel() * values.element_size()
-        # the checksums are taken while the bytes move (gloo sends from its own thread): off the critical path
-        sums = checksums(FlatBucket(buffer, bucket.entries)) if self.verify else None
+        # the checksums: those the bucket's writers took as they wrote it (`writesums`), else taken while the
+        # bytes move (gloo sends from its own thread): off the critical path
+        sums = bucket.sums if buffer is bucket.buffer else None
+        if self.verify and sums is None:
+            sums = checksums(FlatBucket(buffer, bucket.entries))
+        sums = sums if self.verify else None
         moving.wait()
         if sums is not None:
             self.group.broadcast(sums)

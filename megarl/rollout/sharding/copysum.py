@@ -1,6 +1,7 @@
 """A copy that sums the words it copies, in one pass: the engine's load and its integrity check at once.
 
-Owns: `copy_sum(dst, words)`. A weight update's checksum (`protocol.checksums`) is the wrapping int64 sum of
+Owns: `copy_sum(dst, words)` and `copy_rows_sum` (rows at strides, summed as the words of the buffer they
+land in: what a writer of part of a weight bucket adds to its checksums, `writesums`). A weight update's checksum (`protocol.checksums`) is the wrapping int64 sum of
 the 8-byte words holding a tensor's bytes. Checked before the engine copies the tensor in, it is a second
 read of every byte: a cold `torch.sum` reads at memory speed, so on CPU the check cost about a third to two
 thirds of the copy itself (0.4 GB: sum 19–24 ms, copy 43–48 ms on the 2-core CI VM), and summing in small
@@ -71,6 +72,54 @@ uint64_t megarl_copy_sum(unsigned char *dst, const uint64_t *src, size_t n) {
     }
     return total;
 }
+
+/* Copy n bytes from s to d; return the wrapping sum of the 8-byte words of the destination buffer that they
+   fill, every byte of those words that they do not fill counted as zero (so the sums of disjoint writes add
+   up to the buffer's word sums). phase: d's offset from the buffer's start, mod 8 (the start is 8-byte
+   aligned). On x86 the bulk goes by streaming stores from 16-byte aligned d on, whose 64-bit lanes are then
+   whole words. */
+static uint64_t copy_bytes_sum(unsigned char *d, const unsigned char *s, size_t n, size_t phase) {
+    uint64_t total = 0;
+    size_t i = 0;
+#if defined(__SSE2__)
+    if (n >= 64) {
+        for (; (uintptr_t)(d + i) & 15; i++) {
+            d[i] = s[i];
+            total += (uint64_t)s[i] << (8 * ((phase + i) & 7));
+        }
+        __m128i s0 = _mm_setzero_si128(), s1 = _mm_setzero_si128();
+        for (; i + 32 <= n; i += 32) {
+            __m128i x0 = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i x1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            _mm_stream_si128((__m128i *)(d + i), x0);
+            _mm_stream_si128((__m128i *)(d + i + 16), x1);
+            s0 = _mm_add_epi64(s0, x0);
+            s1 = _mm_add_epi64(s1, x1);
+        }
+        uint64_t lanes[2];
+        _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(s0, s1));
+        total += lanes[0] + lanes[1];
+    }
+#endif
+    for (; i < n; i++) {
+        d[i] = s[i];
+        total += (uint64_t)s[i] << (8 * ((phase + i) & 7));
+    }
+    return total;
+}
+
+/* `rows` rows of row_bytes each (strides in bytes): copy_bytes_sum of every row, added up. */
+uint64_t megarl_copy_rows_sum(unsigned char *dst, const unsigned char *src, size_t rows, size_t row_bytes,
+                              ptrdiff_t dst_stride, ptrdiff_t src_stride, size_t phase) {
+    uint64_t total = 0;
+    for (size_t r = 0; r < rows; r++)
+        total += copy_bytes_sum(dst + (ptrdiff_t)r * dst_stride, src + (ptrdiff_t)r * src_stride, row_bytes,
+                                (phase + (size_t)((ptrdiff_t)r * dst_stride)) & 7);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    return total;
+}
 """
 
 
@@ -92,6 +141,17 @@ def copy_sum(dst: torch.Tensor, words: torch.Tensor) -> int:
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
+def copy_rows_sum(
+    dst_ptr: int, src_ptr: int, rows: int, row_bytes: int, dst_stride: int, src_stride: int, phase: int
+) -> int:
+    """Copy `rows` rows of `row_bytes` bytes (strides in bytes) from `src_ptr` to `dst_ptr` (CPU memory) and return
+    the wrapping int64 sum of the destination buffer's words they fill, the bytes of those words they do not fill
+    counted as zero: what the bytes add to `protocol.checksums` of the buffer. `phase`: `dst_ptr`'s offset from
+    the buffer's start, mod 8. Needs `available()`."""
+    total = _library().megarl_copy_rows_sum(dst_ptr, src_ptr, rows, row_bytes, dst_stride, src_stride, phase % 8)
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     if os.environ.get("MEGARL_NATIVE_COPY_SUM", "1") == "0":
@@ -103,6 +163,9 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     library.megarl_copy_sum.restype = ctypes.c_uint64
     library.megarl_copy_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    library.megarl_copy_rows_sum.restype = ctypes.c_uint64
+    library.megarl_copy_rows_sum.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    library.megarl_copy_rows_sum.argtypes += [ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_size_t]
     return library
 
 

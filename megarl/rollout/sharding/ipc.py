@@ -226,8 +226,10 @@ class IpcChannel:
             return None
         if bucket.expected is not None:  # checksums that came with the bucket (an engine server's IPC hop)
             sums = bucket.expected.tolist()  # are the workers' to check: end to end, none taken again here
-        else:
-            sums = checksums(bucket).tolist() if verify else None
+        elif not verify:
+            sums = None
+        else:  # the sums its writers took as they wrote it (`writesums`), else taken here
+            sums = (bucket.sums if bucket.sums is not None else checksums(bucket)).tolist()
         buffer = bucket.buffer
         storage = buffer.untyped_storage()
         known = self.mapped.get(storage.data_ptr()) if bucket.kept else None

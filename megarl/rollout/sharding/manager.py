@@ -217,7 +217,7 @@ class ShardingManager:
         kept = into if into is not None else self.kept if fresh and shared else None
         fresh = fresh or into is not None
         with torch.no_grad():
-            for bucket, gathered, own_row in stream_buckets(
+            for bucket, gathered, own_row, sums in stream_buckets(
                 plan.buckets,
                 self._local,
                 my_rank=self.rank,
@@ -234,7 +234,7 @@ class ShardingManager:
                 peers=self.peers,
             ):
                 if lands_flat(bucket, self.peers):
-                    flat = FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
+                    flat = FlatBucket(gathered[: bucket.hf_numel], bucket.entries, sums=sums)
                 else:
                     out = (
                         kept.take(("out", bucket.index), bucket.hf_numel, bucket.dtype, gathered.device, shared=shared)

@@ -57,6 +57,9 @@ class FlatBucket:
     expected: Optional[torch.Tensor] = None
     """The sender's per-tensor `checksums` of the bytes, still to be checked (`verify_bucket`): `tensors()`
     checks them before it hands on any view; a transport passing the buffer on passes them on instead."""
+    sums: Optional[torch.Tensor] = None
+    """Its `checksums`, taken by the ranks that wrote the buffer as they wrote it (`writesums`), for a sender
+    to send instead of reading the bucket again (`ipc`, `broadcast`); None: not taken."""
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view of the buffer) per entry; no copy. With `expected` checksums, checked first: a

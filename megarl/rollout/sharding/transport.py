@@ -20,7 +20,10 @@ and the source packs into it, then answers "written". Where every parameter of a
 can place one rank's shard (`Bucket.shards_write_flat`: the QKV, gate/up, vocab and plain split
 rules all can), the place is the buffer's start and each TP rank, the rollout rank included,
 writes its shards straight into the flat bucket in HF layout (`write_shards`): the buffer is the
-flat bucket when the last "written" arrives and the rollout rank unpacks nothing.
+flat bucket when the last "written" arrives and the rollout rank unpacks nothing. Into a bucket that
+lands flat that way, every writer copies under `writesums.WriteSums` and its "written" carries the
+per-tensor word sums of what it wrote: added up, they are the bucket's checksums (`protocol.checksums`),
+which the rollout rank yields with it, so a verifying sender does not read the bucket again.
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
@@ -47,9 +50,11 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from megarl.rollout.sharding import writesums
 from megarl.rollout.sharding.plan import Bucket
 from megarl.rollout.sharding.protocol import FlatBucket, alloc_flat
 from megarl.rollout.sharding.shm import ShmPeers
+from megarl.rollout.sharding.writesums import WriteSums
 
 
 def pack_bucket(bucket: Bucket, local_params: dict, dims, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -135,12 +140,15 @@ def stream_buckets(
     buffers: Optional["SyncBuffers"] = None,
     group=None,
     peers: Optional[ShmPeers] = None,
-) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int]]]:
-    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row) on rollout ranks.
+) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int], Optional[torch.Tensor]]]:
+    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row, checksums) on
+    rollout ranks.
 
     own row: in a bucket of this rank's own stage that needs unpacking (not `lands_flat`), the row of the
     gathered buffer left unwritten (`unpack_bucket(..., own=(row, local_params))` reads those shards
-    from the parameters); None otherwise.
+    from the parameters); None otherwise. checksums: the flat bucket's `protocol.checksums`, added up from its
+    writers' sums (`WriteSums`), where it `lands_flat` over shared memory and every writer could sum what it
+    wrote; None otherwise.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank). `group`: the replica's process group, holding every
@@ -158,9 +166,9 @@ def stream_buckets(
     posted: deque = deque()  # this rank's receives, in the plan's order
     receiving = my_rank in dest_ranks
     for bucket in buckets:  # the plan's transfer order: every rank posts in it, so p2p messages match
-        gathered, recv_ops, own_row, write_own = None, [], None, _nothing
+        gathered, recv_ops, own_row, write_own, written = None, [], None, _nothing, []
         if receiving:
-            gathered, recv_ops, own_row, write_own = _receive_ops(
+            gathered, recv_ops, own_row, write_own, written = _receive_ops(
                 bucket,
                 local_params,
                 dims,
@@ -174,11 +182,10 @@ def stream_buckets(
             )
         if peers is not None:  # places first: a rank that is also a sender then waits for its receivers'
             recv_works = _post(recv_ops)
-            write_own()  # while the other TP ranks write theirs
+            own = write_own()  # while the other TP ranks write theirs
+            written += [own] if own is not None else []
             if bucket.source == my_source:
-                sends.append(
-                    (_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group), None)
-                )
+                sends.append(_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group))
         else:
             send_ops = []
             if bucket.source == my_source:
@@ -191,7 +198,7 @@ def stream_buckets(
                 sends.append((works[: len(send_ops)], send_ops[0].tensor))
             recv_works = works[len(send_ops) :]
         if receiving:
-            posted.append((bucket, gathered, recv_works, own_row))
+            posted.append((bucket, gathered, recv_works, own_row, written if lands_flat(bucket, peers) else None))
             if len(posted) > prefetch:
                 yield _finish_receive(*posted.popleft())
     while posted:
@@ -319,10 +326,12 @@ def _receive_ops(
     peers: Optional[ShmPeers] = None,
 ):
     """(gathered buffer [rows, local_numel], receives of every remote row, own row, the write of this
-    rank's own share to run once the receives are posted); our own row is written only when
-    the buffer is the flat bucket (`lands_flat`), else it stays unwritten (the own row, for `unpack_bucket`).
-    With `peers`, a remote row's "receive" is sending its sender the row's place and receiving "written";
-    where the shards write flat, the place is the buffer's start and every rank writes in HF layout."""
+    rank's own share to run once the receives are posted, the "written" messages to receive); our own row is
+    written only when the buffer is the flat bucket (`lands_flat`), else it stays unwritten (the own row, for
+    `unpack_bucket`). With `peers`, a remote row's "receive" is sending its sender the row's place and
+    receiving "written" (with the sums of what it wrote, `_summed`); where the shards write flat, the place is
+    the buffer's start and every rank writes in HF layout. With `peers`, the own write returns its "written"
+    message too."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -335,34 +344,39 @@ def _receive_ops(
     )
     gathered = flat.view(len(sources), -1)
     direct = peers is not None and bucket.shards_write_flat
-    ops, own_row, write_own = [], None, _nothing
+    ops, own_row, write_own, written = [], None, _nothing, []
     for row, src in enumerate(sources):
         if src != my_rank:
             if peers is None:
                 ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
             else:
                 place = peers.place(flat if direct else gathered[row])
+                written.append(torch.zeros(1 + len(bucket.entries), dtype=torch.int64))
                 ops.append(dist.P2POp(dist.isend, place, src, group, tag=2 * bucket.index))
-                ops.append(dist.P2POp(dist.irecv, _WRITTEN.clone(), src, group, tag=2 * bucket.index + 1))
+                ops.append(dist.P2POp(dist.irecv, written[-1], src, group, tag=2 * bucket.index + 1))
         elif direct:
-            write_own = functools.partial(write_shards, bucket, local_params, dims, row, flat)
+            write = functools.partial(write_shards, bucket, local_params, dims, row, flat)
+            write_own = functools.partial(_summed, bucket, flat, 0, write)
         elif not bucket.arrives_flat:
             own_row = row
         else:
-            write_own = functools.partial(pack_bucket, bucket, local_params, dims, out=gathered[row])
-    return gathered, ops, own_row, write_own
+            write = functools.partial(pack_bucket, bucket, local_params, dims, out=gathered[row])
+            write_own = functools.partial(_summed, bucket, gathered[row], row * bucket.local_numel, write)
+            write_own = write_own if peers is not None else write
+    return gathered, ops, own_row, write_own, written
 
 
-def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> list:
+def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> tuple:
     """Same host: pack this rank's shards straight into each other rollout rank's gathered buffer, at
     the place it sent (in HF layout, into the flat bucket, where `Bucket.shards_write_flat`); the
-    "written" sends (their works)."""
+    "written" sends (their works) and their messages (the sums of what it wrote, where the bucket lands
+    flat: `_summed`)."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
     if my_rank not in sources:
-        return []
-    works = []
+        return [], []
+    works, messages, row = [], [], sources.index(my_rank)
     for dest in dest_ranks:
         if dest == my_rank:
             continue
@@ -370,14 +384,45 @@ def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, pe
         dist.irecv(place, dest, group, tag=2 * bucket.index).wait()
         if bucket.shards_write_flat:
             out = peers.open(place, bucket.hf_numel, bucket.dtype)
-            write_shards(bucket, local_params, dims, sources.index(my_rank), out)
+            message = _summed(bucket, out, 0, functools.partial(write_shards, bucket, local_params, dims, row, out))
         else:
-            pack_bucket(bucket, local_params, dims, out=peers.open(place, bucket.local_numel, bucket.dtype))
-        works.append(dist.isend(_WRITTEN, dest, group, tag=2 * bucket.index + 1))
-    return works
+            out = peers.open(place, bucket.local_numel, bucket.dtype)
+            write = functools.partial(pack_bucket, bucket, local_params, dims, out=out)
+            message = _summed(bucket, out, row * bucket.local_numel, write) if bucket.arrives_flat else None
+            if message is None:
+                write()
+                message = torch.zeros(1 + len(bucket.entries), dtype=torch.int64)  # no sums: unpacked later
+        messages.append(message)
+        works.append(dist.isend(message, dest, group, tag=2 * bucket.index + 1))
+    return works, messages
 
 
-_WRITTEN = torch.ones(1, dtype=torch.uint8)
+def _summed(bucket: Bucket, out: torch.Tensor, offset: int, write) -> torch.Tensor:
+    """Run `write` (this rank's share of a bucket that lands flat, written into `out`, which lies `offset`
+    elements into the flat bucket) under `WriteSums`; its "written" message: [complete, per-tensor sums]."""
+    if not writesums.enabled() or bucket.nbytes < writesums.MIN_BUCKET_BYTES:
+        write()
+        return torch.zeros(1 + len(bucket.entries), dtype=torch.int64)
+    with WriteSums(
+        out.data_ptr() - offset * out.element_size(),
+        out.untyped_storage().data_ptr(),
+        bucket.entries,
+        out.element_size(),
+    ) as sums:
+        write()
+    return sums.result()
+
+
+def _added(bucket: Bucket, written: Optional[list]) -> Optional[torch.Tensor]:
+    """The flat bucket's checksums from its writers' "written" messages; None where there are none, where a
+    writer could not sum all it wrote, or where a tensor begins or ends inside a word (its checksum then counts
+    a neighbour's bytes of that word, which its writers did not sum for it)."""
+    size = torch.empty((), dtype=bucket.dtype).element_size()
+    if not written or any(int(m[0]) != 1 for m in written):
+        return None
+    if any((e.offset * size) % 8 or ((e.offset + e.numel) * size) % 8 for e in bucket.entries):
+        return None
+    return torch.stack(written).sum(0)[1:]
 
 
 def _nothing() -> None:
@@ -394,10 +439,10 @@ def _post(ops: list) -> list:
     return works if len(works) == len(ops) else works * len(ops)  # NCCL: one work for the coalesced batch
 
 
-def _finish_receive(bucket, gathered, works, own_row):
+def _finish_receive(bucket, gathered, works, own_row, written):
     for work in works:
         work.wait()
-    return bucket, gathered.view(-1), own_row
+    return bucket, gathered.view(-1), own_row, _added(bucket, written)
 
 
 def _default_device() -> torch.device:
