@@ -6,7 +6,8 @@
 
 Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
---repeats (times on rank 0, every rank between two barriers):
+--repeats (times on rank 0, every rank between two barriers; a verified path and its unverified twin swap
+places every other round, since the first sync of a transport after another's runs slower):
   * gather     — `ShardingManager.iter_weights()` fully consumed, no engine: per bucket each TP rank
                  writes its shards straight into rank 0's shared-memory buffer (all ranks are CPU
                  processes on this host: `rollout.sharding.shm`), already as HF tensors (QKV split
@@ -198,9 +199,9 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     paths.update(_baselines(rank, total, hf_bytes))
     engines_exact = _engines_hold_checkpoint(paths, engines, hf_dir)
     times = {name: [] for name in paths}
-    for _ in range(repeats):  # alternate, so machine load hits all alike
-        for name, fn in paths.items():
-            times[name].append(timed(fn))
+    for repeat in range(repeats):  # alternate, so machine load hits all alike
+        for name in _order(list(paths), repeat):
+            times[name].append(timed(paths[name]))
     if rank != 0:
         return None
     engines["broadcast"].close()
@@ -208,6 +209,11 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         engines["ipc"].shutdown()
     return dict(
         times={k: min(v)[0] for k, v in times.items()},
+        shares={  # per round, the check's share of the verified sync against its twin run next to it
+            k: sorted(1 - u[0] / v[0] for v, u in zip(times[k], times[k + "-unverified"]))
+            for k in ("ipc", "broadcast")
+            if k in times
+        },
         cores={k: _cores_busy(v) for k, v in times.items()},
         total=total,
         hf_bytes=hf_bytes,
@@ -222,6 +228,21 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20,
         adopted_mb=engines["in-process"].update_buffers.nbytes / 2**20,
     )
+
+
+def _order(names: list[str], repeat: int) -> list[str]:
+    """The paths' order in one round: each verified path and its unverified twin swap places every other round.
+    The first sync of a transport after another transport's runs slower (~90 ms of 250 in an IPC sync, measured
+    2026-11-27 by running the twins the other way round); in a fixed order the first twin paid it every time,
+    and the check's share was that difference."""
+    order = list(names)
+    if repeat % 2:
+        for name in names:
+            twin = name + "-unverified"
+            if twin in order:
+                i, j = order.index(name), order.index(twin)
+                order[i], order[j] = twin, name
+    return order
 
 
 def _consume(manager):
@@ -355,6 +376,12 @@ def report(result, bucket_mb: float) -> None:
         "integrity check (checksums taken and checked), share of the sync time: "
         + "   ".join(
             f"{name} {1 - t[name + '-unverified'] / t[name]:+.1%}" for name in ("ipc", "broadcast") if name in t
+        )
+    )
+    print(
+        "  the same, median of the rounds (each round's twins run next to each other, in turns first): "
+        + "   ".join(
+            f"{name} {v[len(v) // 2]:+.1%} (rounds {v[0]:+.1%}..{v[-1]:+.1%})" for name, v in result["shares"].items()
         )
     )
     print(
