@@ -2,7 +2,7 @@
 
     python benchmarks/weight_sync.py            # ~100M-parameter Llama, TP2×PP2 → one rollout rank (TP1)
     python benchmarks/weight_sync.py --quick    # ~5M parameters, seconds (plus vLLM's start-up)
-    python benchmarks/weight_sync.py --bucket-mb 16 --repeats 5 --no-vllm
+    python benchmarks/weight_sync.py --bucket-mb 16 --repeats 6 --no-vllm
 
 Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
@@ -28,7 +28,8 @@ places every other round, since the first sync of a transport after another's ru
                  receiver loads in place);
   * ipc-unverified, broadcast-unverified — the same without the integrity check (`verify=False`:
                  no per-tensor checksums taken by the sender and checked by the receiver); the
-                 report prints the check's share of each path's sync time;
+                 report prints the check's share of each path's sync time (best of each twin, and the
+                 mean over the rounds of each round's pair);
   * per-param  — `gather` with one parameter per bucket;
   * naive      — the per-tensor loop most exporters run: a blocking TP all-gather per parameter
                  (`ModelBridge.iter_hf_weights`) and a blocking send per HF tensor to rank 0;
@@ -210,7 +211,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     return dict(
         times={k: min(v)[0] for k, v in times.items()},
         shares={  # per round, the check's share of the verified sync against its twin run next to it
-            k: sorted(1 - u[0] / v[0] for v, u in zip(times[k], times[k + "-unverified"]))
+            k: [1 - u[0] / v[0] for v, u in zip(times[k], times[k + "-unverified"])]
             for k in ("ipc", "broadcast")
             if k in times
         },
@@ -378,10 +379,12 @@ def report(result, bucket_mb: float) -> None:
             f"{name} {1 - t[name + '-unverified'] / t[name]:+.1%}" for name in ("ipc", "broadcast") if name in t
         )
     )
-    print(
-        "  the same, median of the rounds (each round's twins run next to each other, in turns first): "
+    print(  # the first of a round's twins pays for the switch of transport: in an even number of rounds the mean
+        # of the two orders cancels it
+        "  the same, mean over the rounds (each round's twins next to each other, in turns first): "
         + "   ".join(
-            f"{name} {v[len(v) // 2]:+.1%} (rounds {v[0]:+.1%}..{v[-1]:+.1%})" for name, v in result["shares"].items()
+            f"{name} {sum(v) / len(v):+.1%} (rounds {min(v):+.1%}..{max(v):+.1%})"
+            for name, v in result["shares"].items()
         )
     )
     print(
@@ -398,7 +401,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model (~5M parameters)")
     parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size bound in MiB")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6, help="rounds (even: the twins run first equally often)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--no-vllm", action="store_true", help="skip the IPC path (a vLLM CPU engine)")
     args = parser.parse_args()

@@ -10,7 +10,8 @@ on every member with the engine's message before any weight moves; then `send` b
 policy version and, per `FlatBucket`, a 3-number control message, the bucket's layout (entries;
 only when it differs from what the receivers hold for that position, so once per model) and the
 bucket's buffer as it is (no concatenation; copied only if the group lives on another device), then
-(`verify`, on by default) the bucket's per-tensor checksums (`protocol.checksums`).
+(`verify`, on by default) the bucket's per-tensor checksums (`protocol.checksums`; those its writers took as
+they wrote it, `writesums`, where they did).
 Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
 kept per bucket position from update to update; on CPU, for an engine that is done with a bucket
 when it asks for the next, one buffer reused by every bucket and update: fresh pages cost several

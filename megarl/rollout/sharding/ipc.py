@@ -8,7 +8,8 @@ of its own) and `MegarlWorkerExtension` (mixed into vLLM's workers with `worker_
 a CUDA IPC handle on GPU (the worker opens the same memory), a shared-memory handle on CPU (the
 sharding manager allocates the buffer in shared memory: `Sender.shares_buffers`) — plus where the
 bucket lies in it, the entries (name, shape, offset) and (`verify`, on by default) its per-tensor
-checksums (`protocol.checksums`), over a `multiprocessing.connection` to every vLLM worker of the
+checksums (`protocol.checksums`; its writers', `writesums`, where they took them), over a
+`multiprocessing.connection` to every vLLM worker of the
 engine: nothing is flattened, concatenated or re-bucketed on the way, and the next bucket is
 gathered while the workers load this one. The connections stay open from update to update, and a
 buffer the manager keeps between syncs (`FlatBucket.kept`: host memory) crosses by handle once: later
