@@ -88,6 +88,8 @@ def test_writes_it_cannot_sum_make_the_sums_incomplete():
         with _summing(buffer, entries) as sums:
             write()
         assert int(sums.result()[0]) == 0, what
+    unaligned = WriteSums(buffer.data_ptr() + 2, buffer.untyped_storage().data_ptr(), entries, 2)
+    assert int(unaligned.result()[0]) == 0  # a bucket that does not start on a word: its words are not ours to sum
     with _summing(buffer, entries) as sums:  # writes elsewhere do not count
         torch.ones(3).mul_(2)
         torch.zeros(4).copy_(torch.ones(4))

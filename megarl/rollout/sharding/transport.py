@@ -141,14 +141,12 @@ def stream_buckets(
     group=None,
     peers: Optional[ShmPeers] = None,
 ) -> Iterator[tuple[Bucket, torch.Tensor, Optional[int], Optional[torch.Tensor]]]:
-    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row, checksums) on
-    rollout ranks.
+    """Run this rank's part of moving every bucket; yields (bucket, gathered buffer, own row, sums) on rollout ranks.
 
     own row: in a bucket of this rank's own stage that needs unpacking (not `lands_flat`), the row of the
     gathered buffer left unwritten (`unpack_bucket(..., own=(row, local_params))` reads those shards
-    from the parameters); None otherwise. checksums: the flat bucket's `protocol.checksums`, added up from its
-    writers' sums (`WriteSums`), where it `lands_flat` over shared memory and every writer could sum what it
-    wrote; None otherwise.
+    from the parameters); None otherwise. sums: the flat bucket's `protocol.checksums` as its writers took
+    them (`_added`), or None.
 
     `stage_ranks[(pp, ep)][tp]` are global ranks (ep is 0 without expert parallelism), `my_source`
     this rank's (pp, ep) (None: not a training rank). `group`: the replica's process group, holding every

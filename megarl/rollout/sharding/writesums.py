@@ -55,7 +55,8 @@ class WriteSums(TorchFunctionMode):
         self.starts = [e.offset * itemsize for e in entries]
         self.end = (entries[-1].offset + entries[-1].numel) * itemsize if entries else 0
         self.sums = [0] * len(entries)
-        self.complete = copysum.available()  # else every copy_ goes to torch, and the sums are incomplete
+        # else every copy_ goes to torch and the sums are incomplete (words are 8-byte aligned from the start)
+        self.complete = copysum.available() and base_ptr % 8 == 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
