@@ -203,15 +203,15 @@ _IN_PLACE_DUNDERS = {
 }
 
 
-def _writes(func, args, kwargs, params: dict) -> bool:
-    """Whether the call writes into a parameter's memory: an in-place method (`mul_`, `__setitem__`, ...) on
-    one, or an `out=` that is one."""
+def writes_into(func, args, kwargs, storages) -> bool:
+    """Whether the call writes into the memory of a storage whose data pointer is in `storages` (a parameter's,
+    here; a weight bucket's, `writesums`): an in-place method (`mul_`, `__setitem__`, ...) on it, or an `out=`."""
     name = getattr(func, "__name__", "")
     in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
     targets = [args[0]] if in_place and args else []
     out = kwargs.get("out")
     targets += list(out) if isinstance(out, (tuple, list)) else [out]
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params for t in targets)
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages for t in targets)
 
 
 def _constant_fill(func, args) -> bool:
@@ -240,7 +240,7 @@ class _Recorder(TorchFunctionMode):
         if not self.failed:
             if func is torch.Tensor.copy_:
                 self._note(args[0], args[1])
-            elif _writes(func, args, kwargs, self._params) and not _constant_fill(func, args):
+            elif writes_into(func, args, kwargs, self._params) and not _constant_fill(func, args):
                 self.failed = True  # a write into a parameter the plan could not replay
         return func(*args, **kwargs)
 

@@ -178,10 +178,10 @@ class BroadcastSender:
             self.sent_bytes += changed.numel() * 4 + values.numel() * values.element_size()
         # the checksums: those the bucket's writers took as they wrote it (`writesums`), else taken while the
         # bytes move (gloo sends from its own thread): off the critical path
-        sums = bucket.sums if buffer is bucket.buffer else None
-        if self.verify and sums is None:
-            sums = checksums(FlatBucket(buffer, bucket.entries))
-        sums = sums if self.verify else None
+        sums = None
+        if self.verify:
+            mine = bucket.sums if buffer is bucket.buffer else None
+            sums = mine if mine is not None else checksums(FlatBucket(buffer, bucket.entries))
         moving.wait()
         if sums is not None:
             self.group.broadcast(sums)

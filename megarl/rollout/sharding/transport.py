@@ -349,7 +349,7 @@ def _receive_ops(
                 ops.append(dist.P2POp(dist.irecv, gathered[row], src, group, tag=bucket.index))
             else:
                 place = peers.place(flat if direct else gathered[row])
-                written.append(torch.zeros(1 + len(bucket.entries), dtype=torch.int64))
+                written.append(_no_sums(bucket))  # the receive buffer of its "written"
                 ops.append(dist.P2POp(dist.isend, place, src, group, tag=2 * bucket.index))
                 ops.append(dist.P2POp(dist.irecv, written[-1], src, group, tag=2 * bucket.index + 1))
         elif direct:
@@ -359,8 +359,8 @@ def _receive_ops(
             own_row = row
         else:
             write = functools.partial(pack_bucket, bucket, local_params, dims, out=gathered[row])
-            write_own = functools.partial(_summed, bucket, gathered[row], row * bucket.local_numel, write)
-            write_own = write_own if peers is not None else write
+            summed = functools.partial(_summed, bucket, gathered[row], row * bucket.local_numel, write)
+            write_own = summed if peers is not None else write
     return gathered, ops, own_row, write_own, written
 
 
@@ -386,10 +386,11 @@ def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, pe
         else:
             out = peers.open(place, bucket.local_numel, bucket.dtype)
             write = functools.partial(pack_bucket, bucket, local_params, dims, out=out)
-            message = _summed(bucket, out, row * bucket.local_numel, write) if bucket.arrives_flat else None
-            if message is None:
+            if bucket.arrives_flat:
+                message = _summed(bucket, out, row * bucket.local_numel, write)
+            else:  # no sums: the rollout rank unpacks it
                 write()
-                message = torch.zeros(1 + len(bucket.entries), dtype=torch.int64)  # no sums: unpacked later
+                message = _no_sums(bucket)
         messages.append(message)
         works.append(dist.isend(message, dest, group, tag=2 * bucket.index + 1))
     return works, messages
@@ -400,7 +401,7 @@ def _summed(bucket: Bucket, out: torch.Tensor, offset: int, write) -> torch.Tens
     elements into the flat bucket) under `WriteSums`; its "written" message: [complete, per-tensor sums]."""
     if not writesums.enabled() or bucket.nbytes < writesums.MIN_BUCKET_BYTES:
         write()
-        return torch.zeros(1 + len(bucket.entries), dtype=torch.int64)
+        return _no_sums(bucket)
     with WriteSums(
         out.data_ptr() - offset * out.element_size(),
         out.untyped_storage().data_ptr(),
@@ -409,6 +410,11 @@ def _summed(bucket: Bucket, out: torch.Tensor, offset: int, write) -> torch.Tens
     ) as sums:
         write()
     return sums.result()
+
+
+def _no_sums(bucket: Bucket) -> torch.Tensor:
+    """A "written" message without sums (its first element, complete, is 0)."""
+    return torch.zeros(1 + len(bucket.entries), dtype=torch.int64)
 
 
 def _added(bucket: Bucket, written: Optional[list]) -> Optional[torch.Tensor]:

@@ -28,13 +28,13 @@ from typing import Optional, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.rollout.load_plan import writes_into
 from megarl.rollout.sharding import copysum
 from megarl.rollout.sharding.plan import HFSlot
 
 MIN_BUCKET_BYTES = 1 << 20
 """Smaller buckets are summed by the sender as before: there the mode's Python per copy costs about what the
 read it saves does (a small model's sync is latency-bound: the quickstart's whole model is 1.4 MB)."""
-_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 
 
 def enabled() -> bool:
@@ -65,7 +65,7 @@ class WriteSums(TorchFunctionMode):
                 if self._copy(args[0], args[1], kwargs):
                     return args[0]
                 self.complete = False
-            elif self._writes(func, args, kwargs):
+            elif writes_into(func, args, kwargs, (self.storage,)):
                 self.complete = False
         return func(*args, **kwargs)
 
@@ -76,13 +76,6 @@ class WriteSums(TorchFunctionMode):
 
     def _ours(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() == self.storage
-
-    def _writes(self, func, args, kwargs) -> bool:
-        name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
-        out = kwargs.get("out")
-        targets = ([args[0]] if in_place and args else []) + (list(out) if isinstance(out, (tuple, list)) else [out])
-        return any(self._ours(t) for t in targets)
 
     def _copy(self, dst: torch.Tensor, src, kwargs) -> bool:
         """Make the copy with `copysum` and add its sums in; False where it is not a plain copy this can make."""
