@@ -5,6 +5,7 @@ in test_vllm_engine.py) with buckets of a real checkpoint; spies only record whe
 """
 
 import ast
+import inspect
 import itertools
 import os
 import threading
@@ -65,49 +66,15 @@ def test_bucket_tensors_are_flat_contiguous_and_in_order(checkpoint):
         assert b.buffer.numel() * b.buffer.element_size() <= 100_000 or len(b.entries) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
-def test_checksums_from_block_sums_equal_the_per_tensor_sums(dtype):
-    """The GPU form of `protocol.checksums` (block sums and prefix sums, `_blocked_sums`) equals the CPU form
-    (a sum per tensor) on buckets whose tensors straddle words and blocks, whose buffer starts off a word
-    boundary and ends in a partial word, and whose words overflow int64 (the sums wrap)."""
-    import functools
+def straddling_bucket(dtype, lead: int, generator):
+    """A bucket of odd shapes whose tensors straddle words, over random words (their sums wrap), starting
+    `lead` elements into its first word and ending in a partial word. (Also run in a fresh interpreter by
+    the Triton test, which takes this function's source.)"""
+    import torch
 
-    from megarl.rollout.sharding import protocol
     from megarl.rollout.sharding.plan import HFSlot
+    from megarl.rollout.sharding.protocol import FlatBucket
 
-    generator = torch.Generator().manual_seed(0)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for lead, block in itertools.product(range(4), (1, 3, 8, 1 << 12)):
-        shapes = [(3,), (5, 7), (1,), (2, 2, 3), (11,), (4, 1), (9, 9)]
-        numel = sum(torch.Size(shape).numel() for shape in shapes)
-        words = torch.randint(-(2**62), 2**62, (numel + lead,), dtype=torch.int64, generator=generator)
-        buffer = words.view(torch.uint8)[: (numel + lead) * itemsize].view(dtype)[lead:]
-        entries, offset = [], 0
-        for i, shape in enumerate(shapes):
-            entries.append(HFSlot(f"t{i}", shape, offset))
-            offset += torch.Size(shape).numel()
-        bucket = protocol.FlatBucket(buffer, tuple(entries))
-        blocked = functools.partial(protocol._blocked_sums, block=block)
-        with mock.patch.object(protocol, "_looped_sums", blocked):
-            from_blocks = protocol.checksums(bucket)
-        assert torch.equal(from_blocks, protocol.checksums(bucket)), (lead, block)
-        changed = buffer.clone()
-        changed.view(torch.uint8)[-1] ^= 1  # the last byte: in the buffer's partial last word
-        with mock.patch.object(protocol, "_looped_sums", blocked):
-            assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_blocks)
-
-
-_TRITON_SUMS_CHECK = """
-import itertools, sys
-from unittest import mock
-import torch
-from megarl.rollout.sharding import devicesum, protocol
-from megarl.rollout.sharding.plan import HFSlot
-
-assert devicesum.available(torch.device("cpu"))
-devicesum.PIECE, devicesum.BLOCK = 5, 2  # spans of several pieces, pieces of several loop steps
-generator = torch.Generator().manual_seed(0)
-for dtype, lead in itertools.product((torch.bfloat16, torch.float32, torch.int8), range(4)):
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = [(3,), (5, 7), (1,), (2, 2, 3), (11,), (4, 1), (9, 9)]
     numel = sum(torch.Size(shape).numel() for shape in shapes)
@@ -117,10 +84,45 @@ for dtype, lead in itertools.product((torch.bfloat16, torch.float32, torch.int8)
     for i, shape in enumerate(shapes):
         entries.append(HFSlot(f"t{i}", shape, offset))
         offset += torch.Size(shape).numel()
-    bucket = protocol.FlatBucket(buffer, tuple(entries))
+    return FlatBucket(buffer, tuple(entries))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_checksums_from_block_sums_equal_the_per_tensor_sums(dtype):
+    """The GPU form of `protocol.checksums` (block sums and prefix sums, `_blocked_sums`) equals the CPU form
+    (a sum per tensor) on buckets whose tensors straddle words and blocks, whose buffer starts off a word
+    boundary and ends in a partial word, and whose words overflow int64 (the sums wrap)."""
+    import functools
+
+    from megarl.rollout.sharding import protocol
+
+    generator = torch.Generator().manual_seed(0)
+    for lead, block in itertools.product(range(4), (1, 3, 8, 1 << 12)):
+        bucket = straddling_bucket(dtype, lead, generator)
+        blocked = functools.partial(protocol._blocked_sums, block=block)
+        with mock.patch.object(protocol, "_looped_sums", blocked):
+            from_blocks = protocol.checksums(bucket)
+        assert torch.equal(from_blocks, protocol.checksums(bucket)), (lead, block)
+        changed = bucket.buffer.clone()
+        changed.view(torch.uint8)[-1] ^= 1  # the last byte: in the buffer's partial last word
+        with mock.patch.object(protocol, "_looped_sums", blocked):
+            assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_blocks)
+
+
+_TRITON_SUMS_CHECK = """  # after `straddling_bucket`'s source
+import itertools
+from unittest import mock
+import torch
+from megarl.rollout.sharding import devicesum, protocol
+
+assert devicesum.available(torch.device("cpu"))
+devicesum.PIECE, devicesum.BLOCK = 5, 2  # spans of several pieces, pieces of several loop steps
+generator = torch.Generator().manual_seed(0)
+for dtype, lead in itertools.product((torch.bfloat16, torch.float32, torch.int8), range(4)):
+    bucket = straddling_bucket(dtype, lead, generator)
     with mock.patch.object(protocol, "_looped_sums", devicesum.span_sums):
         from_kernel = protocol.checksums(bucket)
-        changed = buffer.clone()
+        changed = bucket.buffer.clone()
         changed.view(torch.uint8)[-1] ^= 1
         assert not torch.equal(protocol.checksums(protocol.FlatBucket(changed, bucket.entries)), from_kernel)
     assert torch.equal(from_kernel, protocol.checksums(bucket)), (dtype, lead)
@@ -137,9 +139,8 @@ def test_checksums_from_the_triton_kernel_equal_the_per_tensor_sums():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", _TRITON_SUMS_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
+    script = inspect.getsource(straddling_bucket) + _TRITON_SUMS_CHECK
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["ok", "3"]  # a device table per bucket layout: one per dtype, whatever the lead
 
