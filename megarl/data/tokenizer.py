@@ -147,10 +147,12 @@ def load_tokenizer(path: str):
     import json
     from pathlib import Path
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     config = Path(path) / "tokenizer_config.json"
     if config.is_file() and (Path(path) / "tokenizer.json").is_file():
         if json.loads(config.read_text()).get("tokenizer_class") in GENERIC_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
             return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer  # imports the model mappings, generation and torch._dynamo (~2 s)
+
     return AutoTokenizer.from_pretrained(path)

@@ -16,7 +16,10 @@ the released Mixtral/Qwen-MoE configs), so `MoEDims.aux_loss_coef` is that coeff
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -227,7 +230,38 @@ def load_hf_config(path: str | Path):
         raise UnsupportedModelError(
             f"{cfg_file}: model_type={model_type!r} is not supported; supported: {supported_model_types()}"
         )
-    return AutoConfig.from_pretrained(cfg_file.parent)
+    with _no_generated_docstrings():
+        return AutoConfig.from_pretrained(cfg_file.parent)
+
+
+_DOCSTRINGS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_generated_docstrings():
+    """Config classes imported in this block keep their own docstrings instead of generated ones.
+
+    transformers decorates every config class with `auto_docstring`, and generating a class's docstring
+    imports the model mappings (`modeling_auto` → `generation` → torch._dynamo): 1.3 s of CPU the first time
+    a config is loaded, in a driver or rank that builds no `transformers` model (the quickstart's driver spent
+    it checking the model before Ray started). Nothing reads the text; the classes and their defaults are
+    the same. A transformers without the hook (renamed) loads as before, generating them."""
+    try:
+        docstrings = importlib.import_module("transformers.utils.auto_docstring")
+        generate = docstrings.auto_class_docstring
+    except (ImportError, AttributeError):
+        yield
+        return
+    with _DOCSTRINGS_LOCK:
+        docstrings.auto_class_docstring = _plain_class
+        try:
+            yield
+        finally:
+            docstrings.auto_class_docstring = generate
+
+
+def _plain_class(cls, custom_intro=None, custom_args=None, checkpoint=None):
+    return cls
 
 
 def _check_known_unsupported(model_type) -> None:

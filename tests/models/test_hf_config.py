@@ -70,3 +70,50 @@ def test_layout_rejects_nonpositive_sizes_and_vpp_without_pp():
         ParallelLayout(vpp=2)
     with pytest.raises(LayoutError, match="world size 6 is not divisible"):
         ParallelLayout(tp=4).dp_size(6)
+
+
+_DRIVER_LOADS = """
+import importlib, json, sys
+from megarl.data.tokenizer import load_tokenizer
+from megarl.models.hf_config import load_hf_config
+
+docstrings = importlib.import_module("transformers.utils.auto_docstring")
+generate = docstrings.auto_class_docstring
+paths = json.loads(sys.argv[1])
+configs = {arch: load_hf_config(path).to_dict() for arch, path in paths.items() if arch != "llama"}
+load_tokenizer(sys.argv[2])
+heavy = [m for m in ("transformers.models.auto.modeling_auto", "torch._dynamo") if m in sys.modules]
+configs["llama"] = load_hf_config(paths["llama"]).to_dict()  # its config module imports torch._dynamo itself
+print(json.dumps({"configs": configs, "heavy": heavy, "restored": docstrings.auto_class_docstring is generate}))
+"""
+
+
+def test_a_driver_loads_configs_and_a_generic_tokenizer_without_transformers_model_imports(tmp_path):
+    """What the driver reads before Ray starts (each role's config.json, the tokenizer) loads without generating
+    config docstrings, whose text imports the model mappings, `generation` and torch._dynamo (1.3 s of CPU):
+    in a fresh interpreter none of those is imported, and every family's config equals the one transformers
+    loads itself (generating them). (Llama's config module imports torch._dynamo on its own, through
+    `type_validators` → `activations`: loaded last, outside that check.)"""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from megarl.data.tokenizer import build_tiny_tokenizer
+
+    paths = {}
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"):
+        tiny_hf_config(arch).save_pretrained(tmp_path / arch)
+        paths[arch] = str(tmp_path / arch)
+    build_tiny_tokenizer(str(tmp_path / "tokenizer"))
+    done = subprocess.run(
+        [sys.executable, "-c", _DRIVER_LOADS, json.dumps(paths), str(tmp_path / "tokenizer")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["heavy"] == [] and got["restored"]
+    for arch, path in paths.items():
+        assert got["configs"][arch] == json.loads(json.dumps(AutoConfig.from_pretrained(path).to_dict())), arch
