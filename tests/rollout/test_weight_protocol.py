@@ -284,6 +284,53 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
 
 
+def test_a_broadcast_receiver_checks_each_bucket_while_the_next_arrives_and_loads_it_once_it_passed(
+    rollout_models, checkpoint, monkeypatch
+):
+    """The in-process engine's checks run on a thread of their own: bucket k+1 is received before bucket k is
+    loaded, and no tensor of a bucket is loaded before its check finished; the engine ends bit-identical."""
+    from megarl.rollout.sharding import protocol
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    buckets = list(bucket_tensors(checkpoint, 200_000))
+    bucket_of = {e.name: i for i, b in enumerate(buckets) for e in b.entries}
+    events, threads = [], set()
+    receive, sums, load = groups[1].broadcast, protocol.checksums, engine._load_weights
+
+    def received(tensor, src=0):
+        receive(tensor, src)
+        if tensor.is_floating_point():
+            events.append(("received", sum(e[0] == "received" for e in events)))
+
+    def checked(bucket):
+        got = sums(bucket)
+        threads.add(threading.current_thread().name)
+        events.append(("checked", bucket_of[bucket.entries[0].name]))
+        return got
+
+    groups[1].broadcast = received
+    monkeypatch.setattr(protocol, "checksums", checked)
+    monkeypatch.setattr(
+        engine,
+        "_load_weights",
+        lambda stream: load(events.append(("loaded", bucket_of[n])) or (n, t) for n, t in stream),
+    )
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    assert sender.send(buckets, 3) == 3
+    thread.join(timeout=60)
+    assert result["v"] == 3 and engine_equals(engine, checkpoint)
+    assert len(buckets) > 2 and all(name.startswith("megarl-bucket-check") for name in threads)
+    first_load = {k: events.index(("loaded", k)) for k in range(len(buckets))}
+    for k in range(len(buckets)):
+        assert events.index(("checked", k)) < first_load[k]
+        if k + 1 < len(buckets):
+            assert events.index(("received", k + 1)) < first_load[k]
+
+
 @pytest.mark.parametrize("corrupt", [0, 2])
 def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_tensor(
     rollout_models, checkpoint, corrupt

@@ -16,9 +16,10 @@ Receivers take each bucket into a buffer of its own (fresh, or for an engine in 
 kept per bucket position from update to update; on CPU, for an engine that is done with a bucket
 when it asks for the next, one buffer reused by every bucket and update: fresh pages cost several
 times the bytes' copy) and hand it with its checksums to their engine's own sender
-(`senders.sender_for`: in place, or IPC for a vLLM core in a child process), which checks them before
-it loads the bucket (`FlatBucket.tensors`; an IPC hop passes them on to vLLM's workers, which check them
-there: end to end, and the server sums nothing itself), and a final
+(`senders.sender_for`: in place, or IPC for a vLLM core in a child process). An engine in the receiver's
+process gets each bucket only once its checksums passed, checked on a thread of its own while the next
+bucket arrives; an IPC hop passes them on to vLLM's workers, which check them there (end to end, and the
+server sums nothing itself). A final
 all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
 (a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
 and the sender raises `WeightUpdateError` with that engine's message. gloo on CPU (tested), NCCL on GPU.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -217,10 +219,11 @@ class BroadcastReceiver:
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
         # every update (no fresh shared-memory pages to allocate and zero after the first)
         self._kept = KeptBuffers() if self.local.shares_buffers else None
-        # an engine done with each bucket when it asks for the next (in place, on CPU): one buffer for
-        # every bucket, kept from update to update (a fresh one per bucket is mostly page faults)
+        # an engine done with each bucket when it asks for the next (in place, on CPU): two buffers in turn for
+        # every bucket (one is checked and loaded while the next arrives, `_buckets`), kept from update to
+        # update (a fresh one per bucket is mostly page faults)
         reuse = not self.local.keeps_buffers and not self._kept and group.device.type == "cpu"
-        self._ring = BufferRing(1) if reuse else None
+        self._ring = BufferRing(2) if reuse else None
         self._held: dict[int, torch.Tensor] = {}  # delta updates: each 16-bit bucket as last received
 
     def receive_update(self) -> Optional[int]:
@@ -264,12 +267,29 @@ class BroadcastReceiver:
         return message.tolist()
 
     def _buckets(self, verify: bool):
-        """Each broadcast bucket in a buffer of its own (the engine may keep it; one reused buffer when
-        its sender says it does not, `_buffer`), checked against its checksums when the sender sends
-        them, until the sender's end mark."""
-        while (received := self._receive(verify)) is not None:
-            bucket, expected = received
-            yield bucket if expected is None else verify_bucket(bucket, expected)
+        """Each broadcast bucket in a buffer of its own (the engine may keep it; two reused in turn when its
+        sender says it does not, `_buffer`), checked against its checksums when the sender sends them, until
+        the sender's end mark.
+
+        An engine in this process gets each bucket checked here, on a thread of its own while the next
+        bucket arrives: the check (a read of every byte) then overlaps the receive instead of adding to it,
+        and a bucket is still handed on only once it passed. An IPC hop passes the checksums on instead
+        (its vLLM workers check them, end to end)."""
+        if not verify or self.local.shares_buffers:
+            while (received := self._receive(verify)) is not None:
+                bucket, expected = received
+                yield bucket if expected is None else verify_bucket(bucket, expected)
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="megarl-bucket-check") as checker:
+            previous = None
+            while (received := self._receive(verify)) is not None:
+                bucket, expected = received
+                check = checker.submit(lambda b=verify_bucket(bucket, expected): b.tensors())
+                if previous is not None:
+                    yield _passed(*previous)
+                previous = bucket, check
+            if previous is not None:
+                yield _passed(*previous)
 
     def _receive(self, verify: bool) -> Optional[tuple[FlatBucket, Optional[torch.Tensor]]]:
         """The next bucket and its checksums (None without `verify`); None at the end mark."""
@@ -314,6 +334,12 @@ class BroadcastReceiver:
         if self._ring is not None:
             return self._ring.take(numel, dtype, self.group.device)
         return alloc_flat(numel, dtype, self.group.device)
+
+
+def _passed(bucket: FlatBucket, check: Future) -> FlatBucket:
+    """The bucket, once its check passed (its WeightUpdateError, naming the tensor, otherwise)."""
+    check.result()
+    return bucket
 
 
 def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
