@@ -284,7 +284,7 @@ class BroadcastReceiver:
             previous = None
             while (received := self._receive(verify)) is not None:
                 bucket, expected = received
-                check = checker.submit(lambda b=verify_bucket(bucket, expected): b.tensors())
+                check = checker.submit(_checked_views, verify_bucket(bucket, expected))
                 if previous is not None:
                     yield _passed(*previous)
                 previous = bucket, check
@@ -334,6 +334,15 @@ class BroadcastReceiver:
         if self._ring is not None:
             return self._ring.take(numel, dtype, self.group.device)
         return alloc_flat(numel, dtype, self.group.device)
+
+
+def _checked_views(bucket: FlatBucket) -> list:
+    """`bucket.tensors()` (its check first) on the checking thread, whose current CUDA device is the bucket's
+    (a fresh thread's is cuda:0, where a one-launch Triton sum would run)."""
+    if bucket.buffer.is_cuda:
+        with torch.cuda.device(bucket.buffer.device):
+            return bucket.tensors()
+    return bucket.tensors()
 
 
 def _passed(bucket: FlatBucket, check: Future) -> FlatBucket:
