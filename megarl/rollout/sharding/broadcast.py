@@ -14,8 +14,8 @@ bucket's buffer as it is (no concatenation; copied only if the group lives on an
 they wrote it, `writesums`, where they did).
 Receivers take each bucket into a buffer of its own (fresh, or for an engine in another process
 kept per bucket position from update to update; on CPU, for an engine that is done with a bucket
-when it asks for the next, one buffer reused by every bucket and update: fresh pages cost several
-times the bytes' copy) and hand it with its checksums to their engine's own sender
+when it asks for the next, two buffers reused in turn by every bucket and update: fresh pages cost
+several times the bytes' copy) and hand it with its checksums to their engine's own sender
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process). An engine in the receiver's
 process gets each bucket only once its checksums passed, checked on a thread of its own while the next
 bucket arrives; an IPC hop passes them on to vLLM's workers, which check them there (end to end, and the
