@@ -9,6 +9,7 @@ import inspect
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -284,11 +285,12 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
 
 
-def test_a_broadcast_receiver_checks_each_bucket_while_the_next_arrives_and_loads_it_once_it_passed(
+def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_loads_it_once_it_passed(
     rollout_models, checkpoint, monkeypatch
 ):
-    """The in-process engine's checks run on a thread of their own: bucket k+1 is received before bucket k is
-    loaded, and no tensor of a bucket is loaded before its check finished; the engine ends bit-identical."""
+    """The in-process engine's buckets are received on a thread of their own, one ahead: bucket k+1 arrives
+    while a slow engine loads bucket k, bucket k+2 only after bucket k was loaded (its buffer is reused), and
+    no tensor of a bucket is loaded before its check finished; the engine ends bit-identical."""
     from megarl.rollout.sharding import protocol
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
 
@@ -303,32 +305,41 @@ def test_a_broadcast_receiver_checks_each_bucket_while_the_next_arrives_and_load
     def received(tensor, src=0):
         receive(tensor, src)
         if tensor.is_floating_point():
+            threads.add(threading.current_thread().name)
             events.append(("received", sum(e[0] == "received" for e in events)))
 
     def checked(bucket):
         got = sums(bucket)
-        threads.add(threading.current_thread().name)
         events.append(("checked", bucket_of[bucket.entries[0].name]))
         return got
 
+    def loading(stream):
+        seen = set()
+        for name, tensor in stream:
+            if bucket_of[name] not in seen:
+                seen.add(bucket_of[name])
+                events.append(("loading", bucket_of[name]))
+                time.sleep(0.05)  # a slow engine: the next bucket arrives before this one is copied
+            yield name, tensor
+            if name == buckets[bucket_of[name]].entries[-1].name:
+                events.append(("loaded", bucket_of[name]))
+
     groups[1].broadcast = received
     monkeypatch.setattr(protocol, "checksums", checked)
-    monkeypatch.setattr(
-        engine,
-        "_load_weights",
-        lambda stream: load(events.append(("loaded", bucket_of[n])) or (n, t) for n, t in stream),
-    )
+    monkeypatch.setattr(engine, "_load_weights", lambda stream: load(loading(stream)))
     thread, result = receiving(receiver)
     sender.check(specs_of(checkpoint))
     assert sender.send(buckets, 3) == 3
     thread.join(timeout=60)
     assert result["v"] == 3 and engine_equals(engine, checkpoint)
-    assert len(buckets) > 2 and all(name.startswith("megarl-bucket-check") for name in threads)
-    first_load = {k: events.index(("loaded", k)) for k in range(len(buckets))}
+    assert len(buckets) > 2 and threads == {"megarl-bucket-receive"}  # the receives (checks: the engine's side)
+    at = {event: i for i, event in enumerate(events)}
     for k in range(len(buckets)):
-        assert events.index(("checked", k)) < first_load[k]
+        assert at["checked", k] < at["loading", k]
         if k + 1 < len(buckets):
-            assert events.index(("received", k + 1)) < first_load[k]
+            assert at["received", k + 1] < at["loaded", k]
+        if k + 2 < len(buckets):
+            assert at["loaded", k] < at["received", k + 2]
 
 
 @pytest.mark.parametrize("corrupt", [0, 2])

@@ -17,8 +17,8 @@ kept per bucket position from update to update; on CPU, for an engine that is do
 when it asks for the next, two buffers reused in turn by every bucket and update: fresh pages cost
 several times the bytes' copy) and hand it with its checksums to their engine's own sender
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process). An engine in the receiver's
-process gets each bucket only once its checksums passed, checked on a thread of its own while the next
-bucket arrives; an IPC hop passes them on to vLLM's workers, which check them there (end to end, and the
+process gets each bucket only once its checksums passed, while the next bucket arrives on a thread of
+its own (`_ReceiveAhead`); an IPC hop passes them on to vLLM's workers, which check them there (end to end, and the
 server sums nothing itself). A final
 all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
 (a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -248,11 +249,14 @@ class BroadcastReceiver:
         if kind != _BEGIN:
             raise RuntimeError(f"weight group out of step: expected the start of an update, got message kind {kind}")
         self._position, self._ended, self._delta = 0, False, header.get("delta", False)
+        self._ahead: Optional[_ReceiveAhead] = None
         if hasattr(self.local, "verify"):  # an IPC hop inside the server checks as the sender asked
             self.local.verify = header.get("verify", True)
         try:
             version = self.local.send(self._buckets(header.get("verify", False)), version)
         except Exception as err:
+            if self._ahead is not None:
+                self._ahead.finish()  # its thread reads the rest of the update
             while not self._ended:  # the rest of the update, unread: the group stays in step
                 self._receive(header.get("verify", False))
             self._held.clear()  # the sender sends the next update whole
@@ -271,25 +275,21 @@ class BroadcastReceiver:
         sender says it does not, `_buffer`), checked against its checksums when the sender sends them, until
         the sender's end mark.
 
-        An engine in this process gets each bucket checked here, on a thread of its own while the next
-        bucket arrives: the check (a read of every byte) then overlaps the receive instead of adding to it,
-        and a bucket is still handed on only once it passed. An IPC hop passes the checksums on instead
-        (its vLLM workers check them, end to end)."""
-        if not verify or self.local.shares_buffers:
+        An engine in this process gets the buckets received one ahead, on a thread of its own
+        (`_ReceiveAhead`): bucket k+1 arrives while bucket k is checked and loaded, and a bucket is handed on
+        only once it passed. An IPC hop passes the checksums on instead (its vLLM workers check them, end to
+        end)."""
+        if self.local.shares_buffers:
             while (received := self._receive(verify)) is not None:
                 bucket, expected = received
                 yield bucket if expected is None else verify_bucket(bucket, expected)
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="megarl-bucket-check") as checker:
-            previous = None
-            while (received := self._receive(verify)) is not None:
-                bucket, expected = received
-                check = checker.submit(_checked_views, verify_bucket(bucket, expected))
-                if previous is not None:
-                    yield _passed(*previous)
-                previous = bucket, check
-            if previous is not None:
-                yield _passed(*previous)
+        ahead = self._ahead = _ReceiveAhead(lambda: self._receive(verify))
+        try:
+            while (bucket := ahead.next()) is not None:
+                yield bucket
+        finally:
+            ahead.finish()  # an engine that stopped early: the rest of the update is read there
 
     def _receive(self, verify: bool) -> Optional[tuple[FlatBucket, Optional[torch.Tensor]]]:
         """The next bucket and its checksums (None without `verify`); None at the end mark."""
@@ -336,19 +336,60 @@ class BroadcastReceiver:
         return alloc_flat(numel, dtype, self.group.device)
 
 
+class _ReceiveAhead:
+    """A receiver's buckets received on a thread of its own, one ahead of the engine.
+
+    The thread receives bucket k+1 while the engine's side checks and loads bucket k (`next`), then waits
+    until that side asks for bucket k+1 (done with bucket k, whose buffer bucket k+2 may reuse). `finish`
+    reads the rest of the update, not handed on, and returns once its end mark was read (the group stays
+    in step after a failed check or load).
+    """
+
+    def __init__(self, receive):
+        self._receive = receive
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # the semaphore keeps it to one bucket ahead
+        self._asked = threading.Semaphore(0)
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name="megarl-bucket-receive", daemon=True)
+        self._thread.start()
+
+    def next(self) -> Optional[FlatBucket]:
+        """The next bucket once its checksums passed (WeightUpdateError naming the tensor otherwise), None at
+        the update's end; a receive's error is raised here."""
+        received, error = self._ready.get()
+        self._asked.release()  # the engine is done with the bucket before: its buffer may take the next
+        if error is not None:
+            raise error
+        if received is None:
+            return None
+        bucket, expected = received
+        if expected is not None:
+            _checked_views(verify_bucket(bucket, expected))
+        return bucket
+
+    def finish(self) -> None:
+        self._draining = True
+        self._asked.release()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while (received := self._receive()) is not None:
+                if not self._draining:
+                    self._ready.put((received, None))
+                    self._asked.acquire()
+            self._ready.put((None, None))
+        except BaseException as err:  # noqa: BLE001 -- the group failed: handed to the engine's side, which raises it
+            self._ready.put((None, err))
+
+
 def _checked_views(bucket: FlatBucket) -> list:
-    """`bucket.tensors()` (its check first) on the checking thread, whose current CUDA device is the bucket's
-    (a fresh thread's is cuda:0, where a one-launch Triton sum would run)."""
+    """`bucket.tensors()` (its check first) with the bucket's CUDA device current (a Triton sum launches on the
+    current device)."""
     if bucket.buffer.is_cuda:
         with torch.cuda.device(bucket.buffer.device):
             return bucket.tensors()
     return bucket.tensors()
-
-
-def _passed(bucket: FlatBucket, check: Future) -> FlatBucket:
-    """The bucket, once its check passed (its WeightUpdateError, naming the tensor, otherwise)."""
-    check.result()
-    return bucket
 
 
 def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
