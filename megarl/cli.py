@@ -247,12 +247,19 @@ def _run_simulate(args) -> int:
 
 def _run_train(args) -> int:
     from megarl.config import describe, load_config, validate
+    from megarl.controller import fork_server
     from megarl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    derived = validate(cfg)  # before ray.init: a bad config fails in seconds, naming the field
-    print(f"[megarl] {cfg.trainer.experiment}: {describe(derived)}", flush=True)
-    train(cfg, derived)
+    # the workers' imports start now, on the core the checks below leave idle (no worker or Ray starts yet)
+    forks = fork_server.start(cfg) if fork_server.wanted(cfg) else None
+    try:
+        derived = validate(cfg)  # before ray.init: a bad config fails in seconds, naming the field
+        print(f"[megarl] {cfg.trainer.experiment}: {describe(derived)}", flush=True)
+        train(cfg, derived, forks)
+    finally:
+        if forks is not None:
+            forks.stop()
     return 0
 
 

@@ -298,6 +298,10 @@ class ResourceConfig:
     """Ray placement-group strategy of a pool's node-sized bundles (PACK, SPREAD, STRICT_SPREAD)."""
     ray_address: Optional[str] = None
     """Ray cluster to join ('auto' under the sbatch script); None: start a local one."""
+    fork_workers: bool = True
+    """A local CPU run's worker processes fork from one process that imported torch, megatron-core,
+    transformers (and vLLM) once, while the driver checked the run (`megarl.controller.fork_server`); false:
+    Ray starts each from a fresh interpreter. Not used when joining a cluster (ray_address) or on GPUs."""
     gpu_peak_tflops: float = 989.0
     """Dense bf16 peak TFLOP/s of one GPU, the denominator of MFU (H100/H200 SXM: 989; A100: 312)."""
 

@@ -81,8 +81,23 @@ def agent_context(cfg, tokenizer, datasets):
     return AgentContext(tokenizer, config=config)
 
 
-def train(cfg, derived) -> list[dict]:
-    """Run the configured training; returns the metrics of the steps run by this call."""
+def train(cfg, derived, forks=None) -> list[dict]:
+    """Run the configured training; returns the metrics of the steps run by this call.
+
+    forks: the run's `megarl.controller.fork_server.ForkServer`, if the caller started it (`megarl train` does,
+    before its config checks); None: started here where `fork_server.wanted(cfg)`. Stopped here either way."""
+    from megarl.controller import fork_server
+
+    if forks is None and fork_server.wanted(cfg):
+        forks = fork_server.start(cfg)  # first: it imports the workers' stack on a core the checks leave idle
+    try:
+        return _train(cfg, derived, forks)
+    finally:
+        if forks is not None:
+            forks.stop()
+
+
+def _train(cfg, derived, forks) -> list[dict]:
     from megarl.config import save_resolved
     from megarl.controller import init_ray
     from megarl.controller.cluster import Cluster
@@ -102,7 +117,8 @@ def train(cfg, derived) -> list[dict]:
         init_ray(
             cfg,
             log_to_driver=os.environ.get("MEGARL_WORKER_LOGS", "0") == "1",  # worker logs: Ray session dir
-            runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK},
+            runtime_env={"worker_process_setup_hook": RAY_SETUP_HOOK}
+            | ({"py_executable": forks.py_executable} if forks is not None else {}),
         )  # workers die with their raylet
         ray_s = time.perf_counter() - start
         cluster = Cluster(cfg, derived)

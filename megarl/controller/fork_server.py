@@ -1,0 +1,277 @@
+"""Worker processes forked from one process that imported torch, megatron-core, transformers (and vLLM) once.
+
+Ray starts every worker from a fresh interpreter, and each imports the same stack again: on the quickstart's
+two cores that was ~9 s of CPU per worker, after the driver's checks and `ray.init` had left a core idle for
+seconds. For a local CPU run (`resources.fork_workers`, the default), `megarl train` starts this server
+while it checks the config and data; it imports the stack on the idle core, and Ray's workers are forked
+from it:
+
+    server = ForkServer.start(preload_modules(cfg), env)        # the driver, before its checks
+    ray.init(runtime_env={"py_executable": server.py_executable})  # Ray's worker command, through the launcher
+    ...
+    server.stop()                                                # after Ray's shutdown
+
+Ray runs `<py_executable> default_worker.py <args>` for each worker. The launcher
+(`megarl/controller/fork_launch.py`, standard library only) hands the server that command line, its
+environment, working directory and stdin/stdout/stderr; the server forks a child that takes them over and
+runs `default_worker.py`; the launcher stays as the process Ray started: it forwards signals to the child,
+kills it when the raylet is gone, and exits with the child's exit status. The child dies when its launcher
+does. A launcher that cannot reach the server execs the plain Python worker instead.
+
+What a child starts with that a fresh worker would not: modules imported under the server's environment
+(the driver's, plus megarl's worker variables), so a variable a module reads at import comes from there;
+numpy's global random state is reseeded in each child. The server starts no thread before it forks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+LAUNCHER = Path(__file__).with_name("fork_launch.py")
+
+# Imported by every worker of a run, in this order: `megarl` first, so megatron-core's import defers
+# torch.compile (`megarl.utils.lazy_compile`); transformers' config machinery (the bridge reads config.json).
+BASE_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megarl",
+    "megatron_patches",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "transformers.models.auto.configuration_auto",
+    "transformers.utils.type_validators",
+    "megarl.workers",
+]
+# Not `vllm.v1.engine.async_llm`: it imports Ray (below, `_preload`).
+VLLM_PRELOAD = ["vllm", "vllm.engine.arg_utils"]
+
+
+def preload_modules(cfg) -> list[str]:
+    """What the run's workers import: the base stack, and vLLM's engine where the rollout engine may be vLLM
+    (`auto` picks it where it imports; where it does not, the preload skips it)."""
+    return BASE_PRELOAD + (VLLM_PRELOAD if cfg.rollout.engine in ("vllm", "auto") else [])
+
+
+def start(cfg) -> "ForkServer":
+    """The run's server: its workers' modules, imported under their environment (`worker_env`)."""
+    from megarl.controller.cluster import worker_env
+
+    return ForkServer.start(preload_modules(cfg), worker_env(max(1, int(cfg.resources.cpus_per_worker))))
+
+
+def wanted(cfg) -> bool:
+    """Fork workers for this run: on, a local Ray this run starts (no `ray_address`, Ray not yet up), CPU."""
+    if not cfg.resources.fork_workers or cfg.resources.ray_address or cfg.resources.accelerator != "cpu":
+        return False
+    ray = sys.modules.get("ray")  # not imported for this check: the driver's checks come first
+    return ray is None or not ray.is_initialized()
+
+
+class ForkServer:
+    """The driver's handle on the server process; `py_executable` is Ray's worker command prefix."""
+
+    def __init__(self, proc: subprocess.Popen, path: str):
+        self.proc, self.path = proc, path
+        self.py_executable = f"{sys.executable} -P {LAUNCHER} {path}"
+
+    @classmethod
+    def start(cls, modules: list[str], env: Optional[dict[str, str]] = None) -> "ForkServer":
+        """Start the server; it imports `modules` in the background (workers that connect meanwhile wait)."""
+        path = os.path.join(tempfile.mkdtemp(prefix="megarl_fork_"), "server.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)  # listening before the server runs: a launcher never misses it, it waits
+            listener.listen(64)
+            fd = listener.fileno()
+            cmd = [sys.executable, "-P", "-m", "megarl.controller.fork_server", str(os.getpid()), str(fd), *modules]
+            env = {**os.environ, **(env or {})}
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=[fd])
+        return cls(proc, path)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop the server (its children, if any are left, are killed with it); removes its socket."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for p in (self.path, os.path.dirname(self.path)):
+            try:
+                os.unlink(p) if p == self.path else os.rmdir(p)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------------- the server process
+
+
+def _preload(modules: list[str]) -> bool:
+    """Import `modules`; False if one of them imported Ray. A Ray imported here keeps this process's settings
+    (the cluster's token and job are only in a worker's environment), so its children could not join."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # a worker that needs it imports it itself, and reports the error there
+            if os.environ.get("MEGARL_FORK_SERVER_DEBUG") == "1":
+                print(f"[megarl] fork server: could not preload {name}: {err}", file=sys.stderr, flush=True)
+    return "ray" not in sys.modules
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError("launcher closed the connection")
+        data += chunk
+    return data
+
+
+def _receive_request(conn: socket.socket) -> tuple[list[int], tuple]:
+    header, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
+    (size,) = struct.unpack("!I", header)
+    return fds, pickle.loads(_recv_exact(conn, size))
+
+
+class _Server:
+    def __init__(self, driver: int, listener_fd: int):
+        self.listener = socket.socket(fileno=listener_fd)
+        self.children: dict[int, socket.socket] = {}
+        self.parent = driver
+
+    def serve(self):
+        """Fork a child per launcher; returns only in a child, with what it needs to become the worker."""
+        while os.getppid() == self.parent:
+            self._reap()
+            ready, _, _ = select.select([self.listener], [], [], 0.2)
+            if not ready:
+                continue
+            conn, _ = self.listener.accept()
+            try:
+                fds, request = _receive_request(conn)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                conn.close()
+                continue
+            sys.stdout.flush(), sys.stderr.flush()  # nothing buffered here is written twice
+            pid = os.fork()
+            if pid == 0:
+                self.listener.close()
+                for other in self.children.values():
+                    other.close()
+                return conn, fds, request
+            for fd in fds:
+                os.close(fd)
+            self.children[pid] = conn
+            conn.sendall(f"{pid}\n".encode())
+        self.kill_children()  # the driver is gone
+        return None
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+
+    def kill_children(self, *_args) -> None:
+        for pid in list(self.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if _args:  # SIGTERM from `ForkServer.stop`
+            sys.exit(0)
+
+
+def _become_worker(conn: socket.socket, fds: list[int], request: tuple) -> None:
+    """In the forked child: take the launcher's stdio, session, directory, environment and command line,
+    then run Ray's worker script as `__main__` (its exit is this process's exit)."""
+    argv, env, cwd = request
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    os.setsid()  # a group of its own, as Ray gives each worker (`megarl.utils.lifetime.kill_tree`)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    _die_with_launcher(conn)
+    import runpy
+
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def _die_with_launcher(conn: socket.socket) -> None:
+    """The launcher is the process Ray started and kills: when it is gone, so is this worker and its group."""
+    import threading
+
+    from megarl.utils.lifetime import kill_tree
+
+    def watch() -> None:
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        kill_tree()
+
+    threading.Thread(target=watch, name="megarl-die-with-launcher", daemon=True).start()
+
+
+def _terminate_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> None:
+    driver, listener_fd, modules = int(argv[0]), int(argv[1]), argv[2:]
+    started = time.perf_counter()
+    server = _Server(driver, listener_fd)  # a launcher that connects now waits for the preload
+    signal.signal(signal.SIGTERM, server.kill_children)
+    _terminate_with_parent()  # while it preloads; afterwards `serve` also watches
+    if os.getppid() != driver:  # gone before that
+        return
+    if not _preload(modules):  # its launchers run plain workers
+        print("[megarl] fork server: a preloaded module imported Ray; workers start as usual", file=sys.stderr)
+        return
+    if os.environ.get("MEGARL_FORK_SERVER_DEBUG") == "1":
+        print(f"[megarl] fork server: preloaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    child = server.serve()
+    if child is not None:
+        _become_worker(*child)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
