@@ -98,7 +98,8 @@ class ForkServer:
             fd = listener.fileno()
             cmd = [sys.executable, "-P", "-m", "megarl.controller.fork_server", str(os.getpid()), str(fd), *modules]
             env = {**os.environ, **(env or {})}
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=[fd])
+            # a session of its own: a terminal's Ctrl-C is the driver's to handle (it stops the server)
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=[fd], start_new_session=True)
         return cls(proc, path)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -262,6 +263,7 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     server = _Server(driver, listener_fd)  # a launcher that connects now waits for the preload
     signal.signal(signal.SIGTERM, server.kill_children)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _terminate_with_parent()  # while it preloads; afterwards `serve` also watches
     if os.getppid() != driver:  # gone before that
         return
