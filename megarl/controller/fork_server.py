@@ -74,8 +74,14 @@ def start(cfg) -> "ForkServer":
 
 
 def wanted(cfg) -> bool:
-    """Fork workers for this run: on, a local Ray this run starts (no `ray_address`, Ray not yet up), CPU."""
-    if not cfg.resources.fork_workers or cfg.resources.ray_address or cfg.resources.accelerator != "cpu":
+    """Fork workers for this run: on, a local Ray this run starts (no `ray_address`, Ray not yet up), CPU, and a
+    Python with `-P` and `Popen(process_group=)` (3.11)."""
+    if (
+        sys.version_info < (3, 11)
+        or not cfg.resources.fork_workers
+        or cfg.resources.ray_address
+        or cfg.resources.accelerator != "cpu"
+    ):
         return False
     ray = sys.modules.get("ray")  # not imported for this check: the driver's checks come first
     return ray is None or not ray.is_initialized()
