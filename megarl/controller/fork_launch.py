@@ -29,6 +29,13 @@ def _read_line(conn: socket.socket) -> bytes:
     return data
 
 
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # the child is gone; its status is on its way
+        pass
+
+
 def _exit_as(code: int) -> None:
     """Exit as the child did: with its code, or killed by the same signal (a negative code)."""
     if code < 0:
@@ -52,7 +59,7 @@ def main() -> None:
         _plain_worker(argv)
     pid = int(line)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     while True:
         ready, _, _ = select.select([conn], [], [], 0.5)
         if ready:

@@ -9,7 +9,7 @@ from it:
     server = ForkServer.start(preload_modules(cfg), env)        # the driver, before its checks
     ray.init(runtime_env={"py_executable": server.py_executable})  # Ray's worker command, through the launcher
     ...
-    server.stop()                                                # after Ray's shutdown
+    server.stop()                                                # once the workers are stopped
 
 Ray runs `<py_executable> default_worker.py <args>` for each worker. The launcher
 (`megarl/controller/fork_launch.py`, standard library only) hands the server that command line, its
@@ -171,7 +171,7 @@ class _Server:
             conn, _ = self.listener.accept()
             try:
                 fds, request = _receive_request(conn)
-            except (OSError, EOFError, pickle.UnpicklingError):
+            except (OSError, EOFError, struct.error, pickle.UnpicklingError):
                 conn.close()
                 continue
             sys.stdout.flush(), sys.stderr.flush()  # nothing buffered here is written twice
@@ -221,8 +221,9 @@ def _become_worker(conn: socket.socket, fds: list[int], request: tuple) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
     # a group of its own, as Ray gives each worker (`megarl.utils.lifetime.kill_tree`), in a session of its own:
     # with the kernel's autogroup scheduling each worker then gets its own CPU share beside the driver's session
     # (Ray's helpers, the server). In the server's session 3 runs read 14.9-17.5 s to the start-up line, against
