@@ -27,6 +27,11 @@ from megarl.workers import MODEL_ROLES, Actor, Critic, ProcessSetup, Reference, 
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def worker_threads(cfg) -> int:
+    """Torch (and OpenMP) threads of each worker process: its CPUs, at least one."""
+    return max(1, int(cfg.resources.cpus_per_worker))
+
+
 def worker_env(threads: int) -> dict[str, str]:
     """Environment of every worker process.
 
@@ -54,7 +59,7 @@ class Cluster:
         start = time.perf_counter()
         pools, plan = pools_from_config(cfg), plan_placement(cfg, derived)
         plan = {name: [r for r in roles if r != "rollout"] for name, roles in plan.items()}  # engines: below
-        threads = max(1, int(cfg.resources.cpus_per_worker))
+        threads = worker_threads(cfg)
         env = worker_env(threads)
         self.groups: dict[str, WorkerGroup] = {}
         for name in sorted((n for n in plan if plan[n]), key=lambda n: n != cfg.actor.pool):

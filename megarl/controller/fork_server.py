@@ -25,6 +25,7 @@ numpy's global random state is reseeded in each child. The server starts no thre
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -68,9 +69,9 @@ def preload_modules(cfg) -> list[str]:
 
 def start(cfg) -> "ForkServer":
     """The run's server: its workers' modules, imported under their environment (`worker_env`)."""
-    from megarl.controller.cluster import worker_env
+    from megarl.controller.cluster import worker_env, worker_threads
 
-    return ForkServer.start(preload_modules(cfg), worker_env(max(1, int(cfg.resources.cpus_per_worker))))
+    return ForkServer.start(preload_modules(cfg), worker_env(worker_threads(cfg)))
 
 
 def wanted(cfg) -> bool:
@@ -117,11 +118,10 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for p in (self.path, os.path.dirname(self.path)):
-            try:
-                os.unlink(p) if p == self.path else os.rmdir(p)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))
 
 
 # ---------------------------------------------------------------------------- the server process
@@ -204,14 +204,18 @@ class _Server:
                     pass
                 conn.close()
 
-    def kill_children(self, *_args) -> None:
+    def kill_children(self) -> None:
         for pid in list(self.children):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
-        if _args:  # SIGTERM from `ForkServer.stop`: nothing to flush, and torch's and vLLM's teardown took 2 s
-            os._exit(0)
+
+    def stop(self, _signum, _frame) -> None:
+        """SIGTERM (`ForkServer.stop`, or the driver's death): its children go too. `os._exit`: nothing to flush,
+        and torch's and vLLM's teardown took 2 s."""
+        self.kill_children()
+        os._exit(0)
 
 
 def _become_worker(conn: socket.socket, fds: list[int], request: tuple) -> None:
@@ -273,7 +277,7 @@ def main(argv: list[str]) -> None:
     driver, listener_fd, modules = int(argv[0]), int(argv[1]), argv[2:]
     started = time.perf_counter()
     server = _Server(driver, listener_fd)  # a launcher that connects now waits for the preload
-    signal.signal(signal.SIGTERM, server.kill_children)
+    signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _terminate_with_parent()  # while it preloads; afterwards `serve` also watches
     if os.getppid() != driver:  # gone before that
