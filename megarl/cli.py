@@ -11,7 +11,7 @@ import os
 import sys
 
 from megarl.models.layout import ParallelLayout
-from megarl.utils.distributed import RankError
+from megarl.utils.errors import RankError
 from megarl.utils.interrupts import GracefulStop, SigintRearmed, exit_code
 from megarl.utils.lifetime import NodeLostError
 
@@ -246,14 +246,18 @@ def _run_simulate(args) -> int:
 
 
 def _run_train(args) -> int:
-    from megarl.config import describe, load_config, validate
     from megarl.controller import fork_server
-    from megarl.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
-    # the workers' imports start now, on the core the checks below leave idle (no worker or Ray starts yet)
-    forks = fork_server.start(cfg) if fork_server.wanted(cfg) else None
+    # the workers' imports start first, from the files' raw values: the typed config below imports torch (~3 s
+    # on a core the server can use meanwhile); the checks after it leave that core idle too (no worker or Ray
+    # starts before them)
+    forks = fork_server.start_early(args.config, args.overrides)
     try:
+        from megarl.config import describe, load_config, validate
+        from megarl.trainer import train
+
+        cfg = load_config(args.config, args.overrides)
+        forks = fork_server.confirm(forks, cfg)  # the loaded config's server: this one, or a new one, or none
         derived = validate(cfg)  # before ray.init: a bad config fails in seconds, naming the field
         print(f"[megarl] {cfg.trainer.experiment}: {describe(derived)}", flush=True)
         train(cfg, derived, forks)

@@ -1,7 +1,8 @@
 """Defaults in code ← YAML files ← command-line dot-list overrides, on OmegaConf → a typed `RunConfig`, and back.
 
 Owns: `load_config(files, overrides)`, `build(cls, values)` (a nested dict → dataclasses, checking
-every key and type), `to_dict`, `dump_yaml`, `save_resolved(cfg, run_dir)` and `field_docs`.
+every key and type), `to_dict`, `dump_yaml`, `save_resolved(cfg, run_dir)` and `field_docs`. Reading
+the files and overrides into one untyped tree is `megarl.utils.yaml_tree`'s (torch-free).
 
 * The defaults are the dataclasses' own (`OmegaConf.structured(RunConfig)`), so `${...}` may refer to
   a value nobody wrote.
@@ -36,106 +37,17 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import RunConfig
 from megarl.utils.atomic import write_file
-
-
-class ConfigError(ValueError):
-    """A configuration value, key, file or combination is wrong; the message names the field and the fix."""
-
+from megarl.utils.yaml_tree import ConfigError, omegaconf_error, read_tree
+from megarl.utils.yaml_tree import merge as merge  # the files' side, re-exported as `megarl.config`'s
+from megarl.utils.yaml_tree import parse_override as parse_override
+from megarl.utils.yaml_tree import read_yaml_chain as read_yaml_chain
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^[-+]?(inf|nan)$", re.IGNORECASE)
-
-
-# ----------------------------------------------------------------------------- reading YAML and overrides
-
-
-def read_yaml_chain(path: str | os.PathLike) -> dict:
-    """The overrides of `path` merged over those of the files its `defaults:` names (recursively);
-    interpolations are kept as written (`load_config` resolves them once everything is merged)."""
-    return OmegaConf.to_container(_read_chain(Path(path)))
-
-
-def merge(base: Mapping, update: Mapping) -> dict:
-    """A copy of `base` with `update` merged in (`OmegaConf.merge`): mappings key by key, everything
-    else replaced; interpolations stay unresolved."""
-    tree = OmegaConf.create(dict(base))
-    _merge_into(tree, update)
-    return OmegaConf.to_container(tree)
-
-
-def parse_override(text: str) -> dict:
-    """`a.b.c=value` → {"a": {"b": {"c": value}}} (OmegaConf dot-list: the value read as YAML,
-    `null`, `[1, 2]`, `1e-6`, `${other.key}`)."""
-    tree = OmegaConf.create()
-    _apply_override(tree, text)
-    return OmegaConf.to_container(tree)
-
-
-def _read_chain(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
-    path = path.resolve()
-    if path in _seen:
-        chain = " -> ".join(str(p) for p in (*_seen, path))
-        raise ConfigError(f"config files include each other in a cycle: {chain}")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    node = _load_yaml(path)
-    merged = OmegaConf.create()
-    for parent in _parents(node, path):
-        _merge_into(merged, _read_chain(path.parent / parent, (*_seen, path)))
-    _merge_into(merged, node)
-    return merged
-
-
-def _parents(node: DictConfig, path: Path) -> list[str]:
-    """The files `defaults:` names (removed from `node`)."""
-    parents = node.pop("defaults", None)
-    parents = OmegaConf.to_container(parents) if isinstance(parents, ListConfig) else parents
-    parents = [] if parents is None else [parents] if isinstance(parents, str) else parents
-    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        raise ConfigError(f"{path}: defaults must name a file or a list of files (relative to it), got {parents!r}")
-    return parents
-
-
-def _load_yaml(path: Path) -> DictConfig:
-    try:
-        node = OmegaConf.load(path)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    except OmegaConfBaseException as err:
-        raise _omegaconf_error(err, {}, f"{path}: ") from None
-    except OSError as err:  # OmegaConf refuses a file holding a bare number
-        raise ConfigError(f"{path} must hold a mapping of config sections ({err})") from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(f"{path} must hold a mapping of config sections, got {type(node).__name__}")
-    return node
-
-
-def _merge_into(tree: DictConfig, update: Any) -> None:
-    try:
-        tree.merge_with(update)
-    except OmegaConfBaseException as err:
-        raise _omegaconf_error(err, update) from None
-
-
-def _apply_override(tree: DictConfig, text: str) -> None:
-    """Merge one dot-list override into `tree` (`OmegaConf.update` through `merge_with_dotlist`)."""
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} must look like section.field=value (e.g. actor.optim.lr=1e-6)")
-    try:
-        tree.merge_with_dotlist([f"{key}={raw}"])
-    except yaml.YAMLError as err:
-        raise ConfigError(
-            f"override {text!r}: the value is not valid YAML ({' '.join(str(err).split())}); "
-            "quote an interpolation inside a list or mapping: ['${a.b}', c]"
-        ) from None
-    except OmegaConfBaseException as err:
-        raise _omegaconf_error(err, {}, f"override {text!r}: ") from None
 
 
 # ----------------------------------------------------------------------------- interpolation
@@ -155,7 +67,7 @@ def _resolve(values: dict, cls: type) -> dict:
         return OmegaConf.to_container(OmegaConf.merge(_defaults(cls), values), resolve=True)
     except OmegaConfBaseException as err:
         known = [*_dotted(OmegaConf.to_container(_defaults(cls))), *_dotted(values)]
-        raise _omegaconf_error(err, values, known=known) from None
+        raise omegaconf_error(err, values, known=known) from None
 
 
 def _mandatory(tree: Mapping, prefix: str = "") -> str | None:
@@ -188,36 +100,11 @@ def _defaults(cls: type) -> DictConfig:
 _DEFAULTS: dict[type, DictConfig] = {}
 
 
-def _omegaconf_error(err: OmegaConfBaseException, tree: Any, where: str = "", known: Sequence[str] = ()) -> ConfigError:
-    """OmegaConf's error as a ConfigError naming the field, the interpolation written there and, for a
-    key that does not exist, the closest of the `known` dotted keys."""
-    key, first = getattr(err, "full_key", None), str(err).splitlines()[0]
-    missing = re.search(r"Interpolation key '([^']+)' not found", first)
-    close = difflib.get_close_matches(missing.group(1), known, n=1, cutoff=0.6) if missing else []
-    first += f"; did you mean ${{{close[0]}}}?" if close else ""
-    raw = _lookup(tree, key) if key else None
-    if isinstance(raw, str) and "${" in raw:
-        return ConfigError(f"{where}{key}: cannot resolve {raw!r}: {first}")
-    return ConfigError(f"{where}{key}: {first}" if key else f"{where}{first}")
-
-
 def _dotted(tree: Mapping, prefix: str = "") -> Iterable[str]:
     for key, value in tree.items():
         yield f"{prefix}{key}"
         if isinstance(value, Mapping):
             yield from _dotted(value, f"{prefix}{key}.")
-
-
-def _lookup(tree: Any, key: str) -> Any:
-    """The value at an OmegaConf full key (`a.b[0].c`) of nested dicts/lists; None if absent."""
-    for part in re.findall(r"[^.\[\]]+", key):
-        if isinstance(tree, Mapping) and part in tree:
-            tree = tree[part]
-        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
-            tree = tree[int(part)]
-        else:
-            return None
-    return tree
 
 
 class _Interpolated(str):
@@ -382,14 +269,7 @@ def load_config(
 ) -> RunConfig:
     """Defaults of `cls` ← each YAML file in order (with its `defaults:` chain) ← each dot-list override,
     interpolations resolved over all of them, then checked and typed by `build`."""
-    if isinstance(files, (str, os.PathLike)):
-        files = [files]
-    tree = OmegaConf.create()
-    for file in files:
-        _merge_into(tree, _read_chain(Path(file)))
-    for text in overrides:
-        _apply_override(tree, text)
-    values = OmegaConf.to_container(tree)
+    values = read_tree(files, overrides)
     return build(cls, _pick(values, _resolve(values, cls)))
 
 

@@ -11,15 +11,32 @@
     placement.py      plan_placement (pool -> roles in its processes), role_mesh, init_ray, shutdown_ray
     dispatch.py       RankMesh (rank -> dp, tp, pp, cp in megatron order), DPSplit (token-balanced
                       DP shards of a Batch and the inverse permutation for results)
+    fork_server.py    the process a local CPU run's workers fork from (it imports their stack once);
+                      fork_launch.py, the command Ray starts for each, asks it for a fork
 
 The RL loop (megarl.trainer) drives roles through these. Ray is imported lazily: importing this
-package does not import Ray, megatron or vLLM (cluster.py imports the role classes, not their engines).
+package does not import Ray, megatron or vLLM (cluster.py imports the role classes, not their engines),
+nor torch (its names load their modules on first use).
 """
 
-from megarl.controller.dispatch import DPSplit, RankCoord, RankMesh, row_lengths
-from megarl.controller.placement import init_ray, local_ray_resources, plan_placement, role_mesh, shutdown_ray
-from megarl.controller.resource_pool import RankSlot, ResourcePool, pools_from_config
-from megarl.controller.worker_group import DPCall, RoleHandle, WorkerError, WorkerGroup, WorkerHost, role_handle
+import importlib
+
+# Each name from its module, imported on first use: `fork_server` must import without torch (`megarl train`
+# starts the fork server before the driver imports it), and `dispatch` imports torch.
+_HOMES = {
+    "dispatch": ["DPSplit", "RankCoord", "RankMesh", "row_lengths"],
+    "placement": ["init_ray", "local_ray_resources", "plan_placement", "role_mesh", "shutdown_ray"],
+    "resource_pool": ["RankSlot", "ResourcePool", "pools_from_config"],
+    "worker_group": ["DPCall", "RoleHandle", "WorkerError", "WorkerGroup", "WorkerHost", "role_handle"],
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = [
     "DPCall",

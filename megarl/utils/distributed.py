@@ -36,20 +36,11 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.multiprocessing as mp
 
+from megarl.utils.errors import RankError
+
 # Seconds the parent waits for the other ranks once one rank has failed (they are usually stuck
 # in a collective waiting for it).
 FAILURE_GRACE_S = 5.0
-
-
-class RankError(RuntimeError):
-    """An exception raised on one rank of run_distributed, with that rank's traceback."""
-
-    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
-        super().__init__(f"rank {rank} raised {exc_type}: {message}\n--- traceback of rank {rank} ---\n{tb}")
-        self.rank = rank
-        self.exc_type = exc_type
-        self.remote_message = message
-        self.remote_traceback = tb
 
 
 # Ports `free_port` draws from when the OS's ephemeral range is known: below that range.
