@@ -13,10 +13,10 @@ what is installed.
 and then replaces its `define_import_structure` with `cached_import_structure` (transformers' package
 `__init__`s import the name from there afterwards). Each value is a pickle under
 `$MEGARL_CACHE_DIR/imports` (default `$XDG_CACHE_HOME/megarl`, else `~/.cache/megarl`), one file per
-directory or per `sys.path`, holding the key it was computed for: the size, mtime and name of every file and
-directory under the directory; the mtime of every `sys.path` directory holding distributions (an install or
-removal changes it). A different key, a missing or unreadable file computes the value as transformers would
-and writes it (atomically; an unwritable cache is skipped). `MEGARL_IMPORT_CACHE=0` turns the cache off; a
+directory or per `sys.path`, holding the key it was computed for: the name of every directory and the size
+and mtime of every `.py` file under the directory; the mtime of every `sys.path` directory holding
+distributions (an install or removal changes it). A different key, a missing or unreadable file computes the
+value as transformers would and writes it (atomically; an unwritable cache is skipped). `MEGARL_IMPORT_CACHE=0` turns the cache off; a
 process that imported transformers before megarl keeps the normal import.
 """
 
@@ -69,13 +69,21 @@ def cached(name: str, key: Any, compute: Callable[[], Any]) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def tree_fingerprint(directory: str) -> str:
-    """A digest of the name, size and mtime of every file and directory under `directory` (once per process)."""
+    """A digest of the name of every directory and the name, size and mtime of every `.py` file under `directory`
+    (what `define_import_structure` reads; `__pycache__` is skipped), once per process."""
     digest = hashlib.sha256()
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        for name in sorted(files) + [d + "/" for d in dirs]:
-            stat = os.stat(os.path.join(root, name.rstrip("/")))
-            digest.update(f"{os.path.relpath(root, directory)}/{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    pending = [directory]
+    while pending:
+        with os.scandir(pending.pop()) as scan:
+            entries = sorted(scan, key=lambda e: e.name)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name != "__pycache__":
+                    digest.update(f"{entry.path}/\n".encode())
+                    pending.append(entry.path)
+            elif entry.name.endswith(".py"):
+                stat = entry.stat()
+                digest.update(f"{entry.path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
