@@ -25,15 +25,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.abc
 import importlib.metadata
-import importlib.util
 import os
 import pickle
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from megarl.utils.first_import import FirstImportHook
 
 TARGET = "transformers.utils.import_utils"
 
@@ -132,40 +132,23 @@ def _distributions_cached():
         importlib.metadata.packages_distributions = real
 
 
-class _TransformersImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first import of `transformers.utils.import_utils` it removes itself, asks the
-    other finders for the module, runs it with the distributions cached and then caches its import structures."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        uninstall()
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            with _distributions_cached():
-                execute(module)
-            if callable(getattr(module, "define_import_structure", None)):
-                module.define_import_structure = cached_import_structure(module.define_import_structure)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _cached_import(execute, module) -> None:
+    """`transformers.utils.import_utils` run with the distributions cached, then its import structures cached."""
+    with _distributions_cached():
+        execute(module)
+    if callable(getattr(module, "define_import_structure", None)):
+        module.define_import_structure = cached_import_structure(module.define_import_structure)
 
 
-_finder = _TransformersImportFinder()
+_hook = FirstImportHook(TARGET, _cached_import)
 
 
 def install() -> None:
     """Cache transformers' import-time scans in this process (idempotent; nothing if transformers is already
     imported or `MEGARL_IMPORT_CACHE=0`)."""
-    if os.environ.get("MEGARL_IMPORT_CACHE", "1") == "0" or TARGET in sys.modules or _finder in sys.meta_path:
-        return
-    sys.meta_path.insert(0, _finder)
+    if os.environ.get("MEGARL_IMPORT_CACHE", "1") != "0":
+        _hook.install()
 
 
 def uninstall() -> None:
-    with contextlib.suppress(ValueError):
-        sys.meta_path.remove(_finder)
+    _hook.uninstall()

@@ -6,8 +6,8 @@ and export stacks: 2.1 of the 4.1–4.2 s `import megatron.core` took on this 2-
 the compile deferred). Every process that imports megatron-core pays it: the rank server and so every
 conversion, each Ray worker of a training run, vLLM-free test ranks.
 
-`install()` (called by `import megarl`) puts a finder on `sys.meta_path` that, when `megatron.core` is
-first imported, runs its package import with `torch.compile` replaced by `deferred_compile`: each
+`install()` (called by `import megarl`) puts a finder on `sys.meta_path` (`first_import.FirstImportHook`)
+that, when `megatron.core` is first imported, runs its package import with `torch.compile` replaced by `deferred_compile`: each
 function megatron decorates then gets a wrapper that calls `torch.compile(fn, ...)` at its first call,
 and that compiled function from then on. torch.compile itself compiles only at the first call too, so
 nothing compiles later than before; only the compiler's import moves to the first fused call (if
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.util
-import sys
 import threading
+
+from megarl.utils.first_import import FirstImportHook
 
 TARGET = "megatron.core"
 
@@ -67,37 +66,19 @@ def compile_deferred():
         torch.compile = real
 
 
-class _MegatronImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first import of `megatron.core` it removes itself, asks the other
-    finders for the package, and wraps the package's execution in `compile_deferred()`."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        uninstall()
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            with compile_deferred():
-                execute(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _deferred_import(execute, module) -> None:
+    with compile_deferred():
+        execute(module)
 
 
-_finder = _MegatronImportFinder()
+_hook = FirstImportHook(TARGET, _deferred_import)
 
 
 def install() -> None:
     """Defer torch.compile during this process's first import of megatron.core (idempotent; nothing
     if megatron.core is already imported)."""
-    if TARGET not in sys.modules and _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    _hook.install()
 
 
 def uninstall() -> None:
-    with contextlib.suppress(ValueError):
-        sys.meta_path.remove(_finder)
+    _hook.uninstall()
