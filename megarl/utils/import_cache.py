@@ -54,7 +54,7 @@ def cached(name: str, key: Any, compute: Callable[[], Any]) -> Any:
         if stored_key == key:
             return value
     value = compute()
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(Exception):  # unwritable, full, unpicklable: a cache never fails the import
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
@@ -93,10 +93,12 @@ def cached_import_structure(define_import_structure):
     @functools.wraps(define_import_structure)
     def define(module_path, prefix=None):
         directory = os.path.abspath(module_path if os.path.isdir(module_path) else os.path.dirname(module_path))
+        try:
+            fingerprint = tree_fingerprint(directory)
+        except OSError:  # a directory changing under the walk: read it as transformers does
+            return define_import_structure(module_path, prefix)
         return cached(
-            f"import-structure:{directory}:{prefix}",
-            tree_fingerprint(directory),
-            lambda: define_import_structure(module_path, prefix),
+            f"import-structure:{directory}:{prefix}", fingerprint, lambda: define_import_structure(module_path, prefix)
         )
 
     define.megarl_cached = True

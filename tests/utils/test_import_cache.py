@@ -100,6 +100,10 @@ def test_a_broken_or_unwritable_cache_computes_the_value(tmp_path, cache, monkey
     blocker.write_text("")
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(blocker))  # its `imports` cannot be created
     assert import_cache.cached("entry", "key", compute) == {"value": 4}
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setattr(import_cache.pickle, "dump", lambda *a, **k: (_ for _ in ()).throw(TypeError("unpicklable")))
+    assert import_cache.cached("entry", "key", compute) == {"value": 5}
+    assert not [p for p in (tmp_path / "other" / "imports").iterdir()]  # nothing left half-written
 
 
 def test_the_distributions_are_recomputed_after_an_install(tmp_path, cache, monkeypatch):
