@@ -16,8 +16,8 @@ and then replaces its `define_import_structure` with `cached_import_structure` (
 directory or per `sys.path`, holding the key it was computed for: the name of every directory and the size
 and mtime of every `.py` file under the directory; the mtime of every `sys.path` directory holding
 distributions (an install or removal changes it). A different key, a missing or unreadable file computes the
-value as transformers would and writes it (atomically; an unwritable cache is skipped). `MEGARL_IMPORT_CACHE=0` turns the cache off; a
-process that imported transformers before megarl keeps the normal import.
+value as transformers would and writes it (atomically; an unwritable cache is skipped). `MEGARL_IMPORT_CACHE=0`
+turns the cache off; a process that imported transformers before megarl keeps the normal import.
 """
 
 from __future__ import annotations
@@ -150,7 +150,3 @@ def install() -> None:
     imported or `MEGARL_IMPORT_CACHE=0`)."""
     if os.environ.get("MEGARL_IMPORT_CACHE", "1") != "0":
         _hook.install()
-
-
-def uninstall() -> None:
-    _hook.uninstall()

@@ -7,9 +7,9 @@ the compile deferred). Every process that imports megatron-core pays it: the ran
 conversion, each Ray worker of a training run, vLLM-free test ranks.
 
 `install()` (called by `import megarl`) puts a finder on `sys.meta_path` (`first_import.FirstImportHook`)
-that, when `megatron.core` is first imported, runs its package import with `torch.compile` replaced by `deferred_compile`: each
-function megatron decorates then gets a wrapper that calls `torch.compile(fn, ...)` at its first call,
-and that compiled function from then on. torch.compile itself compiles only at the first call too, so
+that, when `megatron.core` is first imported, runs its package import with `torch.compile` replaced by
+`deferred_compile`: each function megatron decorates then gets a wrapper that calls `torch.compile(fn, ...)`
+at its first call, and that compiled function from then on. torch.compile itself compiles only at the first call too, so
 nothing compiles later than before; only the compiler's import moves to the first fused call (if
 any: megarl's CPU runs make none). Modules (`torch.compile(module)`) and every call outside megatron's
 import get the real torch.compile. A process that imported megatron.core before megarl keeps the
@@ -78,7 +78,3 @@ def install() -> None:
     """Defer torch.compile during this process's first import of megatron.core (idempotent; nothing
     if megatron.core is already imported)."""
     _hook.install()
-
-
-def uninstall() -> None:
-    _hook.uninstall()
