@@ -132,6 +132,7 @@ def _loads(payload: bytes) -> Any:
 def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, args, kwargs, results):
     import torch.distributed as dist
 
+    ok = False
     try:
         os.environ.clear()
         os.environ.update(env)
@@ -156,9 +157,36 @@ def _rank_entry(fn, rank, world_size, port, env, num_threads, apply_patches, arg
         results.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
     else:
         results.put((rank, True, payload))
+        ok = True
     finally:
         if dist.is_initialized():
+            _wait_for_peers(rank, world_size, wait=ok)
             dist.destroy_process_group()
+
+
+_DONE_KEY = "megarl/run_distributed/done"
+
+
+def _wait_for_peers(rank: int, world_size: int, wait: bool) -> None:
+    """Rank 0 hosts the rendezvous store: it stays until every rank is done with it.
+
+    Ranks still creating a group they alone belong to use the store (a rank-1 reward model after rank 0
+    had returned: gloo's `new_group` on rank 1 failed with "Connection reset by peer" once rank 0's
+    process, and its store, were gone). Every rank counts itself done; rank 0 waits for the count while
+    its parent lives (the parent kills stuck ranks after a failure or its timeout). A failed rank 0 does
+    not wait: its peers may be blocked in a collective with it, and tearing its group down releases them.
+    """
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        done = store.add(_DONE_KEY, 1)
+        parent = os.getppid()
+        while wait and rank == 0 and done < world_size and os.getppid() == parent:
+            time.sleep(0.01)
+            done = store.add(_DONE_KEY, 0)
+    except Exception:  # noqa: BLE001 - a peer's store already gone: nothing left to wait for
+        pass
 
 
 def run_distributed(

@@ -35,6 +35,19 @@ def rank1_raises_while_rank0_waits() -> None:
     dist.barrier()  # never completes: rank 1 is gone
 
 
+def rank1_builds_its_own_group_after_rank0_returned() -> int:
+    """Rank 0 returns at once; rank 1 then makes a group only it belongs to, through rank 0's store."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        return 0
+    time.sleep(1.5)  # rank 0 has long returned
+    group = dist.new_group(ranks=[1])
+    value = torch.ones(1)
+    dist.all_reduce(value, group=group)
+    return int(value.item())
+
+
 def sleep_forever() -> None:
     time.sleep(600)
 
@@ -46,6 +59,15 @@ def test_run_distributed_returns_each_ranks_value_in_rank_order():
     assert [r["env"]["LOCAL_RANK"] for r in results] == ["0", "1"]
     assert all(r["backend"] == "gloo" and r["threads"] == 1 and r["sum"] == 30.0 for r in results)
     assert [r["tensor"].tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_rank0_keeps_the_store_until_every_rank_is_done():
+    """Rank 0 hosts the rendezvous store; a rank that builds a group after rank 0's function returned
+    (a role placed on rank 1 only) must still reach it (CI once failed with "Connection reset by peer")."""
+    assert run_distributed(rank1_builds_its_own_group_after_rank0_returned, 2, apply_patches=False, timeout=60) == [
+        0,
+        1,
+    ]
 
 
 def test_exception_on_one_rank_is_reraised_with_rank_and_traceback():
