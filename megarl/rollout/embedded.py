@@ -35,7 +35,7 @@ import torch
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, make_completion
 from megarl.rollout.batcher import BatchScheduler, Pending
 from megarl.rollout.sharding.plan import HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket
+from megarl.rollout.sharding.protocol import FlatBucket, PendingCheck
 from megarl.rollout.sharding.transport import KeptBuffers
 
 
@@ -97,6 +97,17 @@ class EmbeddedEngine(RolloutEngine):
         with torch.no_grad(), self._weights_lock:
             for name, tensor in weights:
                 self._params[name].copy_(tensor)
+
+    def load_checked(self, items: Iterable[tuple[str, torch.Tensor, Optional[PendingCheck]]], version: int) -> int:
+        """`load` of (name, tensor, its pending checksum check or None) (`protocol.pending_tensors`): a tensor
+        with a check is copied and checked in one pass (`PendingCheck.copy_into`)."""
+        with self.updating(version) as progress, torch.no_grad(), self._weights_lock:
+            for name, tensor, check in progress.track(items):
+                if check is None:
+                    self._params[name].copy_(tensor)
+                else:
+                    check.copy_into(self._params[name])
+        return version
 
     def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
         """Whether a sync of these tensors can land in `update_buffers` and become the parameters

@@ -24,12 +24,12 @@ parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and end
 
 Integrity (`load_checked`): tensors may come with their sender's checksum still to check
 (`protocol.PendingCheck`). A replayed copy of a whole tensor into one contiguous parameter slice of its
-dtype copies and sums it in one pass (`copysum`) and then compares, so the check costs no second read of
+dtype copies and sums it in one pass (`PendingCheck.copy_into`) and then compares, so the check costs no second read of
 the bytes (a mismatch is found with the tensor in the model: the update fails as one that had begun
 loading); every other copy, and the real loader, get each tensor only once its check has passed.
 
 Only the in-place CPU path uses it (`sharding.ipc.MegarlWorkerExtension`); the reload path (GPU, packed
-kernels, MoE) keeps vLLM's `reload_weights`. Imports torch, `sharding.protocol` and `sharding.copysum`.
+kernels, MoE) keeps vLLM's `reload_weights`. Imports torch and `sharding.protocol`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megarl.rollout.sharding import copysum
 from megarl.rollout.sharding.protocol import PendingCheck
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -73,10 +72,8 @@ class _Plan:
         """The tensor's recorded copies; with its `check`, in one pass that also sums it (`copysum`) where
         the tensor goes whole into one contiguous parameter slice of its dtype, else checked first."""
         copies = self.copies[index]
-        one_pass = check is not None and len(copies) == 1 and _whole(copies[0], tensor) and copysum.available()
-        words = check.words() if one_pass else None
-        if words is not None:
-            check.check(copysum.copy_sum(copies[0].dst, words), loaded=True)
+        if check is not None and len(copies) == 1 and _whole(copies[0], tensor):
+            check.copy_into(copies[0].dst)
             return
         if check is not None:
             check.check()
@@ -169,6 +166,7 @@ def _whole(copy: _Copy, tensor: torch.Tensor) -> bool:
     return (
         copy.offset == 0
         and copy.size == tuple(tensor.shape)
+        and copy.stride == tuple(tensor.stride())
         and tensor.is_contiguous()
         and dst.is_contiguous()
         and dst.dtype == tensor.dtype

@@ -173,8 +173,10 @@ def test_gpu_checksums_fall_back_to_block_sums_when_the_kernel_fails(monkeypatch
 def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkeypatch):
     buckets = list(bucket_tensors(checkpoint, 200_000))
     seen = []
-    original = engine._load_weights
-    monkeypatch.setattr(engine, "_load_weights", lambda stream: original(seen.append(t) or (n, t) for n, t in stream))
+    original = engine.load_checked
+    monkeypatch.setattr(
+        engine, "load_checked", lambda items, v: original(((n, seen.append(t) or t, c) for n, t, c in items), v)
+    )
     sender = sender_for(engine)  # copies each view in (with adopt=True: test_embedded_engine)
     assert isinstance(sender, InPlaceSender) and not sender.keeps_buffers and sender.adopt_into is None
     sender.check(specs_of(checkpoint))
@@ -285,13 +287,14 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
 
 
-def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_loads_it_once_it_passed(
+def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_checks_each_tensor_as_it_copies_it(
     rollout_models, checkpoint, monkeypatch
 ):
     """The in-process engine's buckets are received on a thread of their own, one ahead: bucket k+1 arrives
-    while a slow engine loads bucket k, bucket k+2 only after bucket k was loaded (its buffer is reused), and
-    no tensor of a bucket is loaded before its check finished; the engine ends bit-identical."""
-    from megarl.rollout.sharding import protocol
+    while a slow engine loads bucket k, bucket k+2 only after bucket k was loaded (its buffer is reused).
+    Bucket 0 is checked whole before any of it is loaded; every later tensor is summed as it is copied
+    (`copysum`, where it is built), not read once more before; the engine ends bit-identical."""
+    from megarl.rollout.sharding import copysum, protocol
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
 
     groups = weight_groups()
@@ -299,8 +302,8 @@ def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_loads_it_once_it_p
     receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
     buckets = list(bucket_tensors(checkpoint, 200_000))
     bucket_of = {e.name: i for i, b in enumerate(buckets) for e in b.entries}
-    events, threads = [], set()
-    receive, sums, load = groups[1].broadcast, protocol.checksums, engine._load_weights
+    events, threads, fused = [], set(), []
+    receive, sums, load, copy_sum = groups[1].broadcast, protocol.checksums, engine.load_checked, copysum.copy_sum
 
     def received(tensor, src=0):
         receive(tensor, src)
@@ -313,20 +316,22 @@ def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_loads_it_once_it_p
         events.append(("checked", bucket_of[bucket.entries[0].name]))
         return got
 
-    def loading(stream):
+    def loading(items):
         seen = set()
-        for name, tensor in stream:
+        for name, tensor, check in items:
             if bucket_of[name] not in seen:
                 seen.add(bucket_of[name])
                 events.append(("loading", bucket_of[name]))
                 time.sleep(0.05)  # a slow engine: the next bucket arrives before this one is copied
-            yield name, tensor
+            events.append(("pending" if check is not None else "passed", bucket_of[name]))
+            yield name, tensor, check
             if name == buckets[bucket_of[name]].entries[-1].name:
                 events.append(("loaded", bucket_of[name]))
 
     groups[1].broadcast = received
     monkeypatch.setattr(protocol, "checksums", checked)
-    monkeypatch.setattr(engine, "_load_weights", lambda stream: load(loading(stream)))
+    monkeypatch.setattr(copysum, "copy_sum", lambda dst, words: fused.append(dst.shape) or copy_sum(dst, words))
+    monkeypatch.setattr(engine, "load_checked", lambda items, version: load(loading(items), version))
     thread, result = receiving(receiver)
     sender.check(specs_of(checkpoint))
     assert sender.send(buckets, 3) == 3
@@ -334,8 +339,13 @@ def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_loads_it_once_it_p
     assert result["v"] == 3 and engine_equals(engine, checkpoint)
     assert len(buckets) > 2 and threads == {"megarl-bucket-receive"}  # the receives (checks: the engine's side)
     at = {event: i for i, event in enumerate(events)}
+    assert at["checked", 0] < at["loading", 0]
+    assert {k for kind, k in events if kind == "passed"} == {0}  # bucket 0's tensors come checked
+    assert {k for kind, k in events if kind == "pending"} == set(range(1, len(buckets)))
+    if copysum.available():  # later buckets: no separate read, each tensor summed as it is copied
+        assert {k for kind, k in events if kind == "checked"} == {0}
+        assert len(fused) == sum(len(b.entries) for b in buckets[1:])
     for k in range(len(buckets)):
-        assert at["checked", k] < at["loading", k]
         if k + 1 < len(buckets):
             assert at["received", k + 1] < at["loaded", k]
         if k + 2 < len(buckets):
@@ -349,6 +359,7 @@ def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_ten
     """One bit of the `corrupt`-th bucket flips on the receiver's side: the update fails on both sides naming
     the tensor, the engine keeps its version (bucket 0: nothing was loaded, it keeps serving; later: it
     refuses requests until an update succeeds), and the group stays in step for the next update."""
+    from megarl.rollout.sharding import copysum
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
 
     groups = weight_groups()
@@ -370,8 +381,12 @@ def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_ten
     thread, result = receiving(receiver)
     sender.check(specs_of(checkpoint))
     name = buckets[corrupt].entries[-1].name
-    with pytest.raises(WeightUpdateError, match=rf"engine server 1: WeightUpdateError: .*{name!r}.*checksum mismatch"):
+    with pytest.raises(
+        WeightUpdateError, match=rf"engine server 1: WeightUpdateError: .*{name!r}.*checksum mismatch"
+    ) as info:
         sender.send(buckets, 7)
+    if corrupt > 0 and copysum.available():  # found as the tensor was copied: no read of the bucket before
+        assert "found as it was copied into the model" in str(info.value)
     thread.join(timeout=60)
     assert isinstance(result["error"], WeightUpdateError) and len(seen) == len(buckets)  # read to the end
     assert engine.version != 7

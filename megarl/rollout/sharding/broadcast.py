@@ -276,14 +276,16 @@ class BroadcastReceiver:
 
         An engine in this process gets the buckets received one ahead, on a thread of its own
         (`_ReceiveAhead`): bucket k+1 arrives while bucket k is checked and loaded, and a bucket is handed on
-        only once it passed. An IPC hop passes the checksums on instead (its vLLM workers check them, end to
-        end)."""
+        only once it passed, or with its checksums for an engine that checks as it copies
+        (`checks_as_it_copies`). An IPC hop passes the checksums on instead (its vLLM workers check them,
+        end to end)."""
         if self.local.shares_buffers:
             while (received := self._receive(verify)) is not None:
                 bucket, expected = received
                 yield bucket if expected is None else verify_bucket(bucket, expected)
             return
-        ahead = self._ahead = _ReceiveAhead(lambda: self._receive(verify))
+        defer = getattr(self.local, "checks_as_it_copies", False)
+        ahead = self._ahead = _ReceiveAhead(lambda: self._receive(verify), defer)
         try:
             while (bucket := ahead.next()) is not None:
                 yield bucket
@@ -344,8 +346,9 @@ class _ReceiveAhead:
     in step after a failed check or load).
     """
 
-    def __init__(self, receive):
+    def __init__(self, receive, defer_checks: bool = False):
         self._receive = receive
+        self._defer_checks = defer_checks  # CPU buckets go on with their checksums, for the engine to check
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # the semaphore keeps it to one bucket ahead
         self._asked = threading.Semaphore(0)
         self._draining = False
@@ -353,8 +356,9 @@ class _ReceiveAhead:
         self._thread.start()
 
     def next(self) -> Optional[FlatBucket]:
-        """The next bucket once its checksums passed (WeightUpdateError naming the tensor otherwise), None at
-        the update's end; a receive's error is raised here."""
+        """The next bucket once its checksums passed (WeightUpdateError naming the tensor otherwise), or with
+        them still to check (`defer_checks`, a CPU bucket); None at the update's end; a receive's error is
+        raised here."""
         received, error = self._ready.get()
         self._asked.release()  # the engine is done with the bucket before: its buffer may take the next
         if error is not None:
@@ -362,8 +366,11 @@ class _ReceiveAhead:
         if received is None:
             return None
         bucket, expected = received
-        if expected is not None:
-            _checked_views(verify_bucket(bucket, expected))
+        if expected is None:
+            return bucket
+        if self._defer_checks and not bucket.buffer.is_cuda:
+            return verify_bucket(bucket, expected)
+        _checked_views(verify_bucket(bucket, expected))
         return bucket
 
     def finish(self) -> None:

@@ -9,8 +9,9 @@ bucketing of tensors that do not come from the sharding manager),
 shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a
 SIGBUS) and the integrity check of transports that move bytes (`checksums` on the trainer's side,
 `verify_bucket` on the engine's: a received bucket carries the sums until its tensors are taken;
-`PendingCheck`, one tensor's, for a consumer that checks as it copies). Imports torch, `plan`, `shm` and
-`devicesum` only (Triton only when a GPU bucket is summed): no engine, no transport, no vLLM / Ray.
+`PendingCheck`, one tensor's, for a consumer that checks as it copies: `pending_tensors`). Imports torch,
+`plan`, `shm`, `copysum` and `devicesum` only (Triton only when a GPU bucket is summed): no engine, no
+transport, no vLLM / Ray.
 
 One update, whatever the transport:
 
@@ -34,7 +35,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from megarl.rollout.sharding import devicesum
+from megarl.rollout.sharding import copysum, devicesum
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
 from megarl.rollout.sharding.shm import free_bytes
 
@@ -105,6 +106,19 @@ class PendingCheck:
         if buffer.is_cuda or raw.data_ptr() % 8 or start % 8 or end % 8:
             return None
         return raw[start:end].view(torch.int64)
+
+    def copy_into(self, dst: torch.Tensor) -> None:
+        """Copy the tensor into `dst` (its shape) and check it: in one pass that sums the bytes as it copies
+        them (`copysum`) where `dst` takes them byte for byte (contiguous, the tensor's dtype, on CPU), a
+        mismatch then found with the tensor in `dst`; else checked first, then copied."""
+        view = self.bucket._view(self.bucket.entries[self.index])
+        bytewise = dst.is_contiguous() and dst.dtype == view.dtype and dst.numel() == view.numel()
+        words = self.words() if bytewise and dst.device.type == "cpu" and copysum.available() else None
+        if words is None:
+            self.check()
+            dst.copy_(view)
+        else:
+            self.check(copysum.copy_sum(dst, words), loaded=True)
 
     def check(self, got: Optional[int] = None, *, loaded: bool = False) -> None:
         """Raise WeightUpdateError naming the tensor where its checksum differs from the sender's: `got`, its
@@ -187,6 +201,24 @@ def checked_tensors(
     """(name, view) of every tensor of every bucket, each bucket checked against the announced specs."""
     for bucket in buckets:
         yield from check_bucket(bucket, announced_specs).tensors()
+
+
+def pending_tensors(
+    buckets: Iterable[FlatBucket], announced_specs: Optional[dict]
+) -> Iterator[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
+    """(name, view, its pending check or None) of every tensor of every bucket (each checked against the
+    announced specs), for a consumer that checks each tensor as it copies it (`PendingCheck.copy_into`).
+
+    The first bucket is checked whole before any of its tensors is handed on: nothing has reached the model
+    yet, and a mismatch leaves it as it was. A later bucket's tensors come with their checks pending: the
+    update has changed the model already, so finding a mismatch as the tensor is copied fails the update
+    the same way, and saves a read of every byte."""
+    for index, bucket in enumerate(buckets):
+        bucket = check_bucket(bucket, announced_specs)
+        if index == 0 or bucket.expected is None:
+            yield from ((name, tensor, None) for name, tensor in bucket.tensors())
+        else:
+            yield from bucket.pending()
 
 
 def checksums(bucket: FlatBucket) -> torch.Tensor:

@@ -18,7 +18,14 @@ from typing import Iterable, Sequence
 
 from megarl.rollout.sharding.ipc import IpcSender
 from megarl.rollout.sharding.plan import HFSpec
-from megarl.rollout.sharding.protocol import FlatBucket, Sender, announced, check_bucket, checked_tensors
+from megarl.rollout.sharding.protocol import (
+    FlatBucket,
+    Sender,
+    announced,
+    check_bucket,
+    checked_tensors,
+    pending_tensors,
+)
 
 
 class InPlaceSender:
@@ -29,6 +36,10 @@ class InPlaceSender:
     buffers (`update_buffers`); the manager then lands every bucket there and the engine takes them as
     its parameters (`load_buckets`): from the second sync on the ranks write into the model and
     nothing is copied at the engine.
+
+    `checks_as_it_copies`: the engine has `load_checked` (the embedded engine); buckets that carry the
+    sender's checksums (a broadcast receiver's) then go in as `protocol.pending_tensors`, each tensor
+    checked as it is copied instead of read once more before.
     """
 
     shares_buffers = False
@@ -37,6 +48,7 @@ class InPlaceSender:
         self.engine = engine
         self.adopt = adopt and hasattr(engine, "load_buckets")
         self.keeps_buffers = bool(getattr(engine, "holds_update_tensors", False))
+        self.checks_as_it_copies = hasattr(engine, "load_checked")
         self.adopt_into = None
         self._announced = None
 
@@ -50,6 +62,8 @@ class InPlaceSender:
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         if self.adopt_into is not None:
             return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
+        if self.checks_as_it_copies:
+            return self.engine.load_checked(pending_tensors(buckets, self._announced), version)
         return self.engine.load(checked_tensors(buckets, self._announced), version)
 
 
