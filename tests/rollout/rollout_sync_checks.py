@@ -127,7 +127,7 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     host_shm: senders write into the rollout rank's shared memory (False: gloo messages)."""
     from megarl.rollout.sharding import writesums
     from megarl.rollout.sharding.manager import ShardingManager
-    from megarl.rollout.sharding.protocol import checksums
+    from megarl.rollout.sharding.protocol import WeightUpdateError, checksums
     from megarl.rollout.sharding.senders import sender_for
 
     bridge, chunks = build_actor(actor_path, layout)
@@ -145,6 +145,10 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
         actor[tag] = actor_log_probs(chunks, bridge, sequences)
 
     try:
+        try:  # a rollout rank whose check fails (here: no sender) fails the sync on every rank, nothing moved
+            manager.sync(None, version=1)
+        except WeightUpdateError as err:
+            out["rejected"] = str(err)
         snapshot("before")
         out["version1"] = manager.sync(sender, version=1)
         kept_after_first = {k: b.data_ptr() for k, b in kept.buffers.items()}

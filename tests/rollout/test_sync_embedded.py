@@ -40,6 +40,7 @@ def test_embedded_engine_after_sync_matches_actor(rollout_models, arch, layout, 
         timeout=240,
     )
     assert all(r["host_shm"] == host_shm for r in results)
+    assert all("got no sender" in r.get("rejected", "") for r in results)  # the rollout rank's failure, everywhere
     rollout = next(r for r in results if r["rollout"])
     last = results[-1]
     assert all(r["exchanges"] == 1 for r in results)  # metadata once per model, not once per sync

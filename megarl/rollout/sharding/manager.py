@@ -286,7 +286,11 @@ class ShardingManager:
         return self._adoption_fits
 
     def _agree(self, check) -> None:
-        """Run `check` on rollout ranks; every rank raises the first failure (one small collective)."""
+        """Run `check` on rollout ranks; every rank raises the first failure.
+
+        One all-reduce of a flag; the messages are gathered only when some rank failed
+        (`all_gather_object`, two collectives and pickling: 9.3 against 0.9 ms for four gloo ranks on two
+        cores, which made an in-process sync of 0.4 GB 13% slower than its gather)."""
         import torch.distributed as dist
 
         try:
@@ -295,13 +299,25 @@ class ShardingManager:
         except Exception as err:  # noqa: BLE001 - any failure must reach every rank, or the others wait forever
             message = str(err) if isinstance(err, WeightUpdateError) else f"{type(err).__name__}: {err}"
         messages = [message]  # a replica of one rank (DP only): nobody to tell
-        size = dist.get_world_size(self.groups.mp_group)
-        if size > 1:
+        group = self.groups.mp_group
+        size = dist.get_world_size(group)
+        if size > 1 and _any_rank(message is not None, group):
             messages = [None] * size
-            dist.all_gather_object(messages, message, group=self.groups.mp_group)
+            dist.all_gather_object(messages, message, group=group)
         failed = [m for m in messages if m]
         if failed:
             raise WeightUpdateError(failed[0])
+
+
+def _any_rank(flag: bool, group) -> bool:
+    """Whether `flag` is set on any rank of `group` (collective: a one-element all-reduce, on the GPU for NCCL)."""
+    import torch.distributed as dist
+
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 def _ring_room(bucket_bytes: int) -> int:
