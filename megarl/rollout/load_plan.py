@@ -24,9 +24,9 @@ parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and end
 
 Integrity (`load_checked`): tensors may come with their sender's checksum still to check
 (`protocol.PendingCheck`). A replayed copy of a whole tensor into one contiguous parameter slice of its
-dtype copies and sums it in one pass (`PendingCheck.copy_into`) and then compares, so the check costs no second read of
-the bytes (a mismatch is found with the tensor in the model: the update fails as one that had begun
-loading); every other copy, and the real loader, get each tensor only once its check has passed.
+dtype copies and sums it in one pass (`PendingCheck.copy_into`) and then compares, so the check costs no
+second read of the bytes (a mismatch is found with the tensor in the model: the update fails as one that
+had begun loading); every other copy, and the real loader, get each tensor only once its check has passed.
 
 Only the in-place CPU path uses it (`sharding.ipc.MegarlWorkerExtension`); the reload path (GPU, packed
 kernels, MoE) keeps vLLM's `reload_weights`. Imports torch and `sharding.protocol`.

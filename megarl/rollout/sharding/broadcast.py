@@ -17,11 +17,14 @@ kept per bucket position from update to update; on CPU, for an engine that is do
 when it asks for the next, two buffers reused in turn by every bucket and update: fresh pages cost
 several times the bytes' copy) and hand it with its checksums to their engine's own sender
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process). An engine in the receiver's
-process gets each bucket only once its checksums passed, while the next bucket arrives on a thread of
-its own (`_ReceiveAhead`); an IPC hop passes them on to vLLM's workers, which check them there (end to
-end, and the server sums nothing itself). A final all-gather collects the engines' versions, or their errors. A receiver whose engine fails mid-update
-(a corrupted bucket, a load error) keeps reading the update to its end, so the group stays in step,
-and the sender raises `WeightUpdateError` with that engine's message. gloo on CPU (tested), NCCL on GPU.
+process gets the update's first bucket only once its checksums passed, and every later CPU bucket with
+its checksums still to check as it copies each tensor (`protocol.pending_tensors`; other engines: each
+bucket checked first), while the next bucket arrives on a thread of its own (`_ReceiveAhead`); an IPC hop
+passes them on to vLLM's workers, which check them there (end to end, and the server sums nothing
+itself). A final all-gather collects the engines' versions, or their errors. A receiver whose engine
+fails mid-update (a corrupted bucket, a load error) keeps reading the update to its end, so the group
+stays in step, and the sender raises `WeightUpdateError` with that engine's message. gloo on CPU
+(tested), NCCL on GPU.
 """
 
 from __future__ import annotations
