@@ -17,12 +17,13 @@ places every other round, since the first sync of a transport after another's ru
   * in-process — `ShardingManager.sync(InPlaceSender(engine, adopt=True))` into an embedded (`transformers`)
                  engine in rank 0: a sync lands in the engine's own buffers, which it took as its
                  parameters at its first sync (`EmbeddedEngine.load_buckets`): it writes the model;
-  * ipc        — `sync(IpcSender(engine))` into a vLLM CPU engine (AsyncLLM: its engine core is a
-                 child process of rank 0): each bucket's shared-memory buffer crosses by handle as it
-                 is and vLLM's `reload_weights` loads it, the only copy on the way; the buffers are
-                 kept from sync to sync (`keep_shared_buffers`, the default): no fresh pages to
-                 allocate and zero each sync (skipped with --no-vllm or without vLLM);
-  * ipc-fresh  — the same with fresh shared-memory buffers every sync (`keep_shared_buffers=False`);
+  * ipc        — `sync(IpcSender(engine, adopt=True))` (one sender, as the rollout worker keeps it) into a
+                 vLLM CPU engine (AsyncLLM: its engine core is a child process of rank 0): each bucket lands
+                 in shared memory the sender keeps for this engine and crosses by handle; the worker replays
+                 its loaders' copies, and from the third sync on its parameters are views of those buffers
+                 (`load_plan.ReplayingLoader.adopt`): the ranks write the model, the worker only checks it
+                 (skipped with --no-vllm or without vLLM; `MEGARL_ADOPT_WEIGHTS=0`: the worker copies every
+                 update in, the path before 2026-11-27);
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
                  gloo weight group (the server-mode path: one broadcast per bucket buffer, the
                  receiver loads in place);
@@ -119,10 +120,10 @@ def sync_in_process(manager, engine):
     return _sync(manager, engine and InPlaceSender(engine, adopt=True))
 
 
-def sync_ipc(manager, engine, verify: bool = True):
-    from megarl.rollout.sharding.ipc import IpcSender
-
-    return _sync(manager, engine and IpcSender(engine, verify=verify))
+def sync_ipc(manager, sender, verify: bool = True):
+    if sender is not None:
+        sender.verify = verify
+    return _sync(manager, sender)
 
 
 def sync_broadcast(manager, sender, verify: bool = True):
@@ -141,9 +142,11 @@ def make_engines(hf_dir: str, port: int, use_vllm: bool, bucket_bytes: int):
         "broadcast": BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600)),
     }
     if use_vllm:
+        from megarl.rollout.sharding.ipc import IpcSender
         from megarl.rollout.vllm_engine import VLLMEngine
 
         engines["ipc"] = VLLMEngine(hf_dir, update_bucket_bytes=bucket_bytes)
+        engines["ipc-sender"] = IpcSender(engines["ipc"], adopt=True)
     return engines
 
 
@@ -172,7 +175,6 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     chunks = bridge.build(pp_rank)
     bridge.load_hf_weights(chunks, hf_dir, tp_rank=tp_rank, pp_rank=pp_rank)
     fast = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20))
-    fresh_shm = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20), keep_shared_buffers=False)
     per_param = ShardingManager(bridge, chunks, bucket_bytes=1)
     gloo = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20), host_shm=False)
     total = fast.plan.total_bytes
@@ -193,9 +195,8 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         "broadcast-unverified": lambda: sync_broadcast(fast, engines.get("broadcast"), verify=False),
     }
     if use_vllm:
-        paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc"))
-        paths["ipc-unverified"] = lambda: sync_ipc(fast, engines.get("ipc"), verify=False)
-        paths["ipc-fresh"] = lambda: sync_ipc(fresh_shm, engines.get("ipc"))
+        paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc-sender"))
+        paths["ipc-unverified"] = lambda: sync_ipc(fast, engines.get("ipc-sender"), verify=False)
     paths.update({"per-param": _consume(per_param), "naive": _naive_exporter(bridge, chunks, pp_rank, tp_rank, rank)})
     paths.update(_baselines(rank, total, hf_bytes))
     engines_exact = _engines_hold_checkpoint(paths, engines, hf_dir)
@@ -206,6 +207,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
     if rank != 0:
         return None
     engines["broadcast"].close()
+    adopted_ipc_mb = _adopted_mb(engines.get("ipc"))
     if "ipc" in engines:
         engines["ipc"].shutdown()
     return dict(
@@ -226,9 +228,15 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         params=sum(torch.Size(s.shape).numel() for s in fast.hf_specs()),
         exchanges=fast.metadata_exchanges,
         rss_growth=rss_growth,
-        kept_mb=(fast.kept.nbytes if fast.kept else 0) / 2**20,
+        kept_mb=(getattr(engines.get("ipc-sender"), "buffers", None) or fast.kept).nbytes / 2**20,
+        adopted_ipc_mb=adopted_ipc_mb,
         adopted_mb=engines["in-process"].update_buffers.nbytes / 2**20,
     )
+
+
+def _adopted_mb(engine) -> float:
+    """MiB of the vLLM engine's parameters that live in its IPC sender's buffers (0 without vLLM)."""
+    return 0.0 if engine is None else sum(engine.run_sync(engine.llm.collective_rpc("megarl_adopted_bytes"))) / 2**20
 
 
 def _order(names: list[str], repeat: int) -> list[str]:
@@ -278,7 +286,7 @@ def _engines_hold_checkpoint(paths, engines, hf_dir) -> dict:
     """One sync per engine path; then the embedded engine's tensors against the checkpoint (rank 0)."""
     from safetensors.torch import load_file
 
-    for name in ("in-process", "broadcast", "ipc", "ipc-fresh"):
+    for name in ("in-process", "broadcast", "ipc"):
         if name in paths:
             paths[name]()
     if not engines:
@@ -356,8 +364,9 @@ def report(result, bucket_mb: float) -> None:
         f" {result['largest_bucket'] / 2**20:.0f} MiB; model {result['hf_bytes'] / 2**20:.0f} MiB)"
     )
     print(
-        f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB; the in-process"
-        f" engine's sync buffers (its parameters, both transports): {result['adopted_mb']:.0f} MiB"
+        f"shared-memory buffers kept between syncs for the ipc path: {result['kept_mb']:.0f} MiB (the vLLM"
+        f" worker's parameters in them: {result['adopted_ipc_mb']:.0f} MiB); the in-process engine's sync buffers"
+        f" (its parameters, both transports): {result['adopted_mb']:.0f} MiB"
     )
     t = result["times"]
     for name, seconds in t.items():
@@ -368,9 +377,7 @@ def report(result, bucket_mb: float) -> None:
     print(
         "ratio vs copy (bytes/s): "
         + "   ".join(
-            f"{name} {t['copy'] / t[name]:.3f}"
-            for name in ("gather", "in-process", "ipc", "ipc-fresh", "broadcast")
-            if name in t
+            f"{name} {t['copy'] / t[name]:.3f}" for name in ("gather", "in-process", "ipc", "broadcast") if name in t
         )
     )
     print(

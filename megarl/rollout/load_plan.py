@@ -72,6 +72,10 @@ class _Plan:
         """The tensor's recorded copies; with its `check`, in one pass that also sums it (`copysum`) where
         the tensor goes whole into one contiguous parameter slice of its dtype, else checked first."""
         copies = self.copies[index]
+        if len(copies) == 1 and copies[0].dst.data_ptr() == tensor.data_ptr() and _whole(copies[0], tensor):
+            if check is not None:  # an adopted parameter (`ReplayingLoader.adopt`): the bytes are in it already
+                check.check(loaded=True)
+            return
         if check is not None and len(copies) == 1 and _whole(copies[0], tensor):
             check.copy_into(copies[0].dst)
             return
@@ -94,6 +98,9 @@ class ReplayingLoader:
         self._plan: Optional[_Plan] = None
         self.disabled = False  # the loader did more than copy: always the real loader
         self.replayed = 0  # tensors loaded by replay (tests, logs)
+        self.adopted: set[str] = set()  # parameters that are views of the sender's buffers (`adopt`)
+        self._adopted_storages: set[int] = set()  # the buffers they live in
+        self._replayed: Optional[list[torch.Tensor]] = None  # the last update's tensors, if it was replayed whole
 
     def load(self, model_loader: Callable[[Weights], object], weights: Weights) -> None:
         self.load_checked(model_loader, ((name, tensor, None) for name, tensor in weights))
@@ -101,7 +108,9 @@ class ReplayingLoader:
     def load_checked(self, model_loader: Callable[[Weights], object], items: Iterable[Checked]) -> None:
         """`load` of (name, tensor, its pending checksum check or None): a replay checks each tensor as it
         copies it (`_Plan.replay`); the model's loader gets each tensor once it is checked."""
-        plan, self._plan = self._plan, None
+        plan, self._plan, self._replayed = self._plan, None, None
+        if self.adopted and not (plan is not None and plan.validated and not self.disabled):
+            self.release()  # the model's loader may read the buffers the adopted parameters live in
         if self.disabled:
             model_loader(_checked_first(items))
         elif plan is None:
@@ -113,6 +122,57 @@ class ReplayingLoader:
             self._replay(plan, model_loader, items)
         else:
             self._validate(plan, model_loader, _checked_first(items))
+
+    def adopt(self) -> int:
+        """After an update replayed whole from buffers its sender keeps for this engine alone, from update to
+        update: every parameter that whole copies of consecutive update tensors tile, in order, and whose
+        tensors lie next to each other in one buffer becomes a view of that memory (q, k, v into a fused qkv;
+        gate, up into gate_up; every other weight alone). Later updates are written there by the trainer's
+        ranks: `_Plan.replay` then only checks them. Returns the parameter bytes adopted now."""
+        plan, views = self._plan, self._replayed
+        if plan is None or views is None or self.disabled:
+            return 0
+        params = dict(self._parameters())
+        owner = {p.untyped_storage().data_ptr(): n for n, p in params.items() if n not in self.adopted}
+        groups: dict[str, list[int]] = {}
+        mixed = set()  # parameters some other copy writes into too (a slice, a second source)
+        for index, copies in enumerate(plan.copies):
+            names = {owner.get(c.dst.untyped_storage().data_ptr()) for c in copies}
+            if len(copies) == 1 and _whole(copies[0], views[index]):
+                groups.setdefault(names.pop(), []).append(index)
+            else:
+                mixed |= names
+        groups = {n: i for n, i in groups.items() if n is not None and n not in mixed and n not in self.adopted}
+        adopted = 0
+        for name, indices in groups.items():
+            region = _tiling_region(params[name], [plan.copies[i][0] for i in indices], [views[i] for i in indices])
+            if region is not None:
+                adopted += _rebind(plan, name, params[name], region, indices)
+                self.adopted.add(name)
+                self._adopted_storages.add(region.untyped_storage().data_ptr())
+        return adopted
+
+    def _displaced(self, plan: _Plan, index: int, tensor: torch.Tensor) -> bool:
+        """Whether the tensor goes into an adopted parameter but does not arrive where that parameter lives."""
+        if not self.adopted:
+            return False
+        copies = plan.copies[index]
+        adopted = any(c.dst.untyped_storage().data_ptr() in self._adopted_storages for c in copies)
+        return adopted and not (len(copies) == 1 and copies[0].dst.data_ptr() == tensor.data_ptr())
+
+    def release(self, plan: Optional[_Plan] = None) -> None:
+        """Adopted parameters get memory of their own again (before any load but a replay: its sources may be
+        the buffers they live in); `plan`'s copies into them are re-aimed at it."""
+        params = dict(self._parameters())
+        for name in self.adopted:
+            if name in params:
+                param = params[name]
+                old, indices = param.data_ptr(), [] if plan is None else _copies_into(plan, param)
+                param.data = param.data.clone()
+                if plan is not None:
+                    _reaim(plan, name, param, old, indices)
+        self.adopted.clear()
+        self._adopted_storages.clear()
 
     # -- the three steps ------------------------------------------------------------------------
     def _record(self, model_loader, weights: Weights) -> Optional[_Plan]:
@@ -128,12 +188,17 @@ class ReplayingLoader:
         rest, done = iter(items), []  # done: views of the update's buckets, valid until it ends
         for index, (name, tensor, check) in enumerate(rest):
             if not plan.matches(index, name, tensor):  # other tensors: the real loader takes the whole update
+                self.release()
                 model_loader(itertools.chain(done, _checked_first(itertools.chain([(name, tensor, check)], rest))))
                 return
+            if self._displaced(plan, index, tensor):  # copying it into the buffers could overwrite a later
+                self.release(plan)  # tensor's bytes: the parameters get memory of their own, the replay goes on
             plan.replay(index, tensor, check)
             done.append((name, tensor))
         self.replayed += len(done)
         self._plan = plan  # a whole update, or a prefix of one: the plan stands
+        if len(done) == len(plan.signature):
+            self._replayed = [tensor for _, tensor in done]
 
     def _validate(self, plan: _Plan, model_loader, weights: Weights) -> None:
         taken = list(weights)  # views of the update's buckets, valid until the update ends
@@ -173,6 +238,51 @@ def _whole(copy: _Copy, tensor: torch.Tensor) -> bool:
         and dst.numel() == tensor.numel()
         and dst.device.type == "cpu"
     )
+
+
+def _tiling_region(param: torch.Tensor, copies: list, views: list) -> Optional[torch.Tensor]:
+    """The memory of `views` as one flat tensor, where the copies fill `param` whole, in order, from views
+    that follow each other in one buffer; else None."""
+    order = sorted(range(len(copies)), key=lambda k: copies[k].dst.data_ptr())
+    if order != list(range(len(copies))) or not param.is_contiguous():
+        return None
+    at, source = param.data_ptr(), views[0]
+    for copy, view in zip(copies, views):
+        adjacent = view.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() and view.data_ptr() == (
+            source.data_ptr() + (at - param.data_ptr())
+        )
+        if copy.dst.data_ptr() != at or not adjacent or view.dtype != param.dtype:
+            return None
+        at += copy.dst.numel() * copy.dst.element_size()
+    if at != param.data_ptr() + param.numel() * param.element_size():
+        return None
+    return torch.empty(0, dtype=param.dtype).set_(source.untyped_storage(), source.storage_offset(), (param.numel(),))
+
+
+def _rebind(plan: _Plan, name: str, param: torch.Tensor, region: torch.Tensor, indices: list[int]) -> int:
+    """`param` becomes `region` (its shape); the plan's copies into it are re-aimed at the new memory."""
+    old = param.data_ptr()
+    param.data = region.view(param.shape)
+    _reaim(plan, name, param, old, indices)
+    return param.numel() * param.element_size()
+
+
+def _copies_into(plan: _Plan, param: torch.Tensor) -> list[int]:
+    """The update tensors whose (single) copy goes into `param`'s memory (adopted parameters share a buffer)."""
+    start = param.data_ptr()
+    end = start + param.numel() * param.element_size()
+    return [i for i, copies in enumerate(plan.copies) if len(copies) == 1 and start <= copies[0].dst.data_ptr() < end]
+
+
+def _reaim(plan: _Plan, name: str, param: torch.Tensor, old: int, indices: list[int]) -> None:
+    """The plan's copies of `indices`, which went into `param` when it lived at `old`, now go to its memory."""
+    flat = param.data.view(-1)
+    for index in indices:
+        copy = plan.copies[index][0]
+        start = (copy.dst.data_ptr() - old) // param.element_size()
+        dst = flat[start : start + copy.dst.numel()].view(copy.dst.shape)
+        plan.copies[index] = [_Copy(dst, copy.offset, copy.size, copy.stride)]
+    plan.storages[name] = param.data_ptr()
 
 
 def _fingerprint(parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, bytes]]:

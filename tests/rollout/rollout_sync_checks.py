@@ -136,8 +136,9 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
     engine = _make_engine(backend, engine_path) if manager.is_rollout_rank else None
     sender = sender_for(engine, adopt=True) if engine is not None else None
     snaps, actor, out = {}, {}, {"rollout": manager.is_rollout_rank, "host_shm": manager.peers is not None}
-    # every sync writes into the same buffers: the IPC sender's shared memory, the embedded engine's parameters
-    kept = getattr(engine, "update_buffers", manager.kept)
+    # every sync writes into the same buffers: the engine's (the embedded engine's parameters; a vLLM engine's
+    # IPC sender's shared memory, which its CPU workers take as their parameters)
+    kept = getattr(engine, "update_buffers", None) or getattr(sender, "buffers", None) or manager.kept
 
     def snapshot(tag):
         if engine is not None:
@@ -163,6 +164,13 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
             kept_after_first == {k: b.data_ptr() for k, b in kept.buffers.items()},
         )
         snapshot("resynced")
+        if backend == "vllm":  # the third sync replayed the workers' loaders: their parameters took the buffers
+            out["adopted_bytes"] = _adopted_bytes(engine)
+            perturb_layers(chunks, scale=0.2)  # written by the ranks straight into the engine's parameters
+            out["version4"] = manager.sync(sender, version=4)
+            snapshot("adopted")
+            out["adopted_weights"] = reference_export(bridge, chunks)
+            out["adopted_bytes_after"] = _adopted_bytes(engine)
         # the checksums the writers took as they wrote each bucket (shared memory), against the bucket's own
         found = [
             (f.sums is not None, f.sums is None or torch.equal(f.sums, checksums(f))) for f in manager.iter_buckets()
@@ -182,6 +190,10 @@ def colocated_sync_rank(actor_path, engine_path, layout, sequences, backend="emb
             engine.shutdown()
     out.update(snaps=snaps, actor=actor, exchanges=manager.metadata_exchanges, buckets=len(manager.plan.buckets))
     return out
+
+
+def _adopted_bytes(engine) -> int:
+    return sum(engine.run_sync(engine.llm.collective_rpc("megarl_adopted_bytes"))) if engine is not None else 0
 
 
 def within(tensor, buffers) -> bool:

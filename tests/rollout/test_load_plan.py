@@ -185,3 +185,104 @@ def test_a_replay_checks_each_tensor_as_it_copies_it_and_stops_at_a_corrupted_on
         loader.load_checked(model.load_weights, bucket.pending())
     assert torch.equal(model.qkv[2:], before["qkv"][2:]) and torch.equal(model.embed, before["embed"])
     assert torch.equal(model.qkv[:2], update(4)[0][1][:, :4])  # q, before it, was loaded
+
+
+class Fused(torch.nn.Module):
+    """Every parameter filled by whole update tensors: q, k, v into the row blocks of a fused qkv, an embedding
+    alone (what vLLM's CPU linears get at rollout TP 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(5, 4), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name == "embed":
+                self.embed.data.copy_(tensor)
+            else:
+                self.qkv.data.narrow(0, {"q": 0, "k": 2, "v": 4}[name], 2).copy_(tensor)
+
+
+def kept_update(buffer: torch.Tensor, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """New values written into the one buffer the sender keeps (as its ranks do every sync); views of it."""
+    buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(seed)))
+    shapes = {"q": (2, 4), "k": (2, 4), "v": (2, 4), "embed": (5, 4)}
+    out, offset = [], 0
+    for name, shape in shapes.items():
+        out.append((name, buffer[offset : offset + shape[0] * shape[1]].view(shape)))
+        offset += shape[0] * shape[1]
+    return out
+
+
+def within(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= tensor.data_ptr() < start + buffer.numel() * buffer.element_size()
+
+
+def test_parameters_adopt_the_kept_buffer_then_updates_are_in_place_and_other_loads_release_them():
+    from megarl.rollout.sharding.plan import HFSlot
+    from megarl.rollout.sharding.protocol import FlatBucket, WeightUpdateError, checksums, verify_bucket
+
+    model, buffer = Fused(), torch.empty(44)
+    loader = ReplayingLoader(model.named_parameters)
+    assert loader.adopt() == 0  # nothing replayed yet
+    for seed in range(3):  # recorded, validated, replayed
+        weights = kept_update(buffer, seed)
+        loader.load(model.load_weights, iter(weights))
+        assert same(model, _fused(weights))
+    assert loader.adopt() == 44 * 4 and loader.adopted == {"qkv", "embed"}
+    assert all(within(p, buffer) for p in model.parameters())
+    weights = kept_update(buffer, 7)  # the trainer's ranks write the next update: it is the model's already
+    assert same(model, _fused(weights))
+    entries, offset = [], 0
+    for name, tensor in weights:
+        entries.append(HFSlot(name, tuple(tensor.shape), offset))
+        offset += tensor.numel()
+    bucket = FlatBucket(buffer, tuple(entries))
+    sums = checksums(bucket)
+    loader.load_checked(model.load_weights, verify_bucket(bucket, sums).pending())  # replayed: only checked
+    assert loader.adopted == {"qkv", "embed"} and loader.replayed == 2 * 4 and same(model, _fused(weights))
+    buffer[9] += 1.0  # k's bytes change after the sender summed them
+    with pytest.raises(WeightUpdateError, match="'k'.*found as it was copied into the model"):
+        loader.load_checked(model.load_weights, verify_bucket(bucket, sums).pending())
+    other = kept_update(torch.empty(44), 3)  # other tensors, from elsewhere: the real loader, after a release
+    other = [other[0], other[3]]
+    loader.load(model.load_weights, iter(other))
+    assert not loader.adopted and not any(within(p, buffer) for p in model.parameters())
+    assert torch.equal(model.qkv[:2], other[0][1]) and torch.equal(model.embed, other[1][1])
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    buffer.fill_(3.0)  # the sender's buffer is no longer the model
+    assert same(model, before)
+
+
+def _fused(weights) -> dict:
+    model = Fused()
+    model.load_weights(weights)
+    return {n: p.clone() for n, p in model.named_parameters()}
+
+
+def test_an_adopted_tensor_arriving_elsewhere_releases_the_parameters_and_the_replay_goes_on():
+    """The same tensors in another layout of the same buffer (another sender's bucketing): replaying q into the
+    adopted qkv would overwrite the bytes embed still has to be read from. The parameters get memory of their
+    own first, the plan's copies follow them, and the next update from the kept layout is adopted again."""
+    model, buffer = Fused(), torch.empty(44)
+    loader = ReplayingLoader(model.named_parameters)
+    for seed in range(3):
+        loader.load(model.load_weights, iter(kept_update(buffer, seed)))
+    assert loader.adopt() == 44 * 4
+    buffer.copy_(torch.randn(44, generator=torch.Generator().manual_seed(9)))
+    shifted = [  # embed first in the buffer now, then q, k, v: the update still lists q, k, v, embed
+        ("q", buffer[20:28].view(2, 4)),
+        ("k", buffer[28:36].view(2, 4)),
+        ("v", buffer[36:44].view(2, 4)),
+        ("embed", buffer[0:20].view(5, 4)),
+    ]
+    expected = _fused([(n, t.clone()) for n, t in shifted])
+    loader.load(model.load_weights, iter(shifted))
+    assert same(model, expected) and not loader.adopted and loader.replayed == 2 * 4
+    assert not any(within(p, buffer) for p in model.parameters())
+    weights = kept_update(buffer, 10)  # the kept layout again: replayed by copies, then adopted again
+    loader.load(model.load_weights, iter(weights))
+    assert same(model, _fused(weights)) and loader.adopt() == 44 * 4
+    assert same(model, _fused(kept_update(buffer, 11)))

@@ -8,7 +8,7 @@ holds the tied copy.
 """
 
 import pytest
-from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences
+from rollout_sync_checks import check_sync, colocated_sync_rank, fixed_sequences, hf_greedy, tokens
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout import vllm_available
@@ -34,3 +34,9 @@ def test_vllm_in_a_pp2_training_rank_follows_the_actor(rollout_models):
     assert rollout["version1"] == 1 and rollout["version3"] == 3 and rollout["final_versions"] == {3}
     kept, reused = rollout["kept_reused"]
     assert kept == rollout["buckets"] and reused  # a shared-memory buffer per bucket, written by every sync
+    # from the third sync on the engine's CPU worker holds its parameters in those buffers (TP 1: every byte);
+    # the fourth sync, after another change, was written by the ranks into the model and it follows the actor
+    assert rollout["adopted_bytes"] > 0 and rollout["adopted_bytes_after"] == rollout["adopted_bytes"]
+    assert tokens(rollout["snaps"]["adopted"][0]) == hf_greedy(rollout_models["qwen2"], rollout["adopted_weights"])
+    assert tokens(rollout["snaps"]["adopted"][0]) != tokens(rollout["snaps"]["resynced"][0])
+    assert (rollout["snaps"]["adopted"][1] - results[-1]["actor"]["adopted"]).abs().max() < 2e-4

@@ -70,6 +70,7 @@ from megarl.rollout.sharding.protocol import (
     checksums,
     verify_bucket,
 )
+from megarl.rollout.sharding.transport import KeptBuffers
 from megarl.rollout.vllm_patches import apply_in_vllm_process, loads_in_place, repack_after_reload
 
 _HELLO = "megarl-worker"
@@ -86,17 +87,25 @@ class IpcSender:
     keeps_buffers = True  # the worker's reload may hold a layer's views until the layer is complete
     shares_buffers = True
 
-    def __init__(self, engine, *, address: Optional[str] = None, verify: bool = True):
+    def __init__(self, engine, *, address: Optional[str] = None, verify: bool = True, adopt: bool = False):
         self.engine, self.verify = engine, verify
         self.workers = int(getattr(engine, "ipc_workers", 1))
         self.address, self.authkey = address or _fresh_address(), os.urandom(16)
         self._channel: Optional[IpcChannel] = None
         self._announced = None
+        # `adopt` (a sharding manager's syncs): the buckets land in shared memory this sender keeps for its
+        # engine alone (`adopt_into`, set by `check`), which the engine's CPU workers may take as their
+        # parameters (`load_plan.ReplayingLoader.adopt`): later syncs are written straight into the model
+        # (`MEGARL_ADOPT_WEIGHTS=0`: never; the workers then copy every update in)
+        self.buffers = KeptBuffers() if adopt and os.environ.get("MEGARL_ADOPT_WEIGHTS", "1") != "0" else None
+        self.adopt_into: Optional[KeptBuffers] = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
-        self._announced = None
+        self._announced, self.adopt_into = None, None
         self.engine.check_update(specs, partial=partial)
         self._announced = announced(specs)
+        if self.buffers is not None and not partial:
+            self.adopt_into = self.buffers
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Hand every bucket to the engine's workers by handle; returns the engine's version after it."""
@@ -106,11 +115,15 @@ class IpcSender:
         if self._channel is None:
             self._channel = IpcChannel(self.address, self.authkey, self.workers)
         progress = UpdateProgress()
+        owned = self.adopt_into
+        if owned is not None:  # the ranks write into buffers the model may live in: touched from the start
+            progress.touched = True
         return self._channel.serve(
             checked,
             lambda: self.engine.load_by_ipc(self.address, self.authkey, version, progress),
             progress=progress,
             verify=self.verify,
+            owned=owned,
         )
 
 
@@ -149,9 +162,11 @@ class IpcChannel:
         *,
         progress: Optional[UpdateProgress] = None,
         verify: bool = True,
+        owned: Optional[KeptBuffers] = None,
     ):
         """Run `receive()` (which makes the workers connect, or reuse their connection, and load) on a
-        thread and feed them the buckets; what `receive()` returned.
+        thread and feed them the buckets; what `receive()` returned. `owned`: the buffers kept for this
+        engine alone (`IpcSender.adopt_into`); a bucket in them is marked as one its workers may adopt.
 
         A failure of `receive()` is raised as it is; a failure on this side (the buckets, a worker
         gone) is raised after `receive()` has ended too. Either closes the channel.
@@ -174,7 +189,7 @@ class IpcChannel:
         thread = threading.Thread(target=run, name="megarl-ipc-receive", daemon=True)
         thread.start()
         try:
-            self._feed(buckets, progress, verify)
+            self._feed(buckets, progress, verify, owned)
         except BaseException as exc:  # noqa: BLE001 - the receive side's error, when there is one, is the cause
             result.setdefault("send_error", exc)
             self.close()  # workers still reading see the end and fail; receive() then returns
@@ -185,7 +200,9 @@ class IpcChannel:
             raise result.get("error", result.get("send_error"))
         return result["value"]
 
-    def _feed(self, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool) -> None:
+    def _feed(
+        self, buckets: Iterable[FlatBucket], progress: UpdateProgress, verify: bool, owned: Optional[KeptBuffers]
+    ) -> None:
         for conn in self.conns:  # kept from an earlier update: each worker announces every update
             if self._recv(conn) != _HELLO:
                 raise RuntimeError("a vLLM worker did not announce the update")
@@ -194,7 +211,7 @@ class IpcChannel:
             if self._recv(self.conns[-1]) != _HELLO:
                 raise RuntimeError("an IPC peer that is not a megarl worker connected")
         pending, live = iter(buckets), []
-        message = self._message(next(pending, None), verify, live)
+        message = self._message(next(pending, None), verify, live, owned)
         while message is not None:
             progress.touched = True  # from here a worker may hand tensors of this bucket to the model
             for conn in self.conns:
@@ -203,7 +220,7 @@ class IpcChannel:
             # has a buffer of its own within an update: `IpcSender.keeps_buffers`); if that fails, the
             # workers still finish this one before they see the connection end.
             try:
-                message = self._message(next(pending, None), verify, live)
+                message = self._message(next(pending, None), verify, live, owned)
             finally:
                 for conn in self.conns:
                     if self._recv(conn) != "ok":  # the worker has taken the bucket's views
@@ -218,9 +235,10 @@ class IpcChannel:
             raise RuntimeError("the engine's reload ended before the update was complete")
         return conn.recv()
 
-    def _message(self, bucket: Optional[FlatBucket], verify: bool, live: list):
+    def _message(self, bucket: Optional[FlatBucket], verify: bool, live: list, owned: Optional[KeptBuffers] = None):
         """What travels for one bucket: its buffer (a handle, or the token of a buffer the workers have
-        mapped), where the bucket lies in it, its entries, device and (`verify`) checksums."""
+        mapped), where the bucket lies in it, its entries, device, (`verify`) checksums and whether it lies in
+        buffers kept for this engine alone (`owned`)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         if bucket is None:
@@ -244,7 +262,8 @@ class IpcChannel:
         if token is not None:
             live.append(token)
         where = (buffer.storage_offset() * buffer.element_size(), buffer.numel(), buffer.dtype)
-        return handle, token, where, bucket.entries, _device_uuid(buffer), sums
+        adoptable = bucket.kept and owned is not None and owned.holds(buffer)
+        return handle, token, where, bucket.entries, _device_uuid(buffer), sums, adoptable
 
 
 def serve_buckets(
@@ -305,7 +324,7 @@ def receive_buckets(conn, mapped: Optional[dict] = None) -> Iterable[FlatBucket]
     """
     mapped = {} if mapped is None else mapped
     while (message := conn.recv())[0] != _END:
-        handle, token, (offset, numel, dtype), entries, device_uuid, sums = message
+        handle, token, (offset, numel, dtype), entries, device_uuid, sums, adoptable = message
         if handle is not None:
             rebuild, args = handle
             if device_uuid is not None:
@@ -316,7 +335,7 @@ def receive_buckets(conn, mapped: Optional[dict] = None) -> Iterable[FlatBucket]
         else:
             whole = mapped[token]
         buffer = whole[offset : offset + numel * dtype.itemsize].view(dtype)
-        bucket = FlatBucket(buffer, tuple(entries))
+        bucket = FlatBucket(buffer, tuple(entries), kept=adoptable)
         yield bucket if sums is None else verify_bucket(bucket, torch.tensor(sums, dtype=torch.int64))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -352,6 +371,12 @@ class MegarlWorkerExtension:
         """Whether an update is copied straight into this worker's parameters (`vllm_patches.loads_in_place`)."""
         return self._megarl_in_place() is not None
 
+    def megarl_adopted_bytes(self) -> int:
+        """Parameter bytes of this worker that live in the sender's buffers (`load_plan.ReplayingLoader.adopt`)."""
+        loader = self._megarl_in_place()
+        params = dict(self.get_model().named_parameters()) if loader is not None else {}
+        return sum(params[n].numel() * params[n].element_size() for n in (loader.adopted if loader else ()))
+
     def megarl_replayed_tensors(self) -> int:
         """How many update tensors this worker loaded by replaying its loaders' copies (`load_plan`)."""
         loader = self._megarl_in_place()
@@ -367,10 +392,12 @@ class MegarlWorkerExtension:
         in_place = self._megarl_in_place()
         conn, mapped = self._megarl_channel(address, authkey)
         buckets = receive_buckets(conn, mapped)
+        owned = [True]  # every bucket lay in buffers the sender keeps for this engine alone
         try:
 
             def stream():  # in place: (name, view, its pending check); each tensor checked as it is copied
                 for bucket in buckets:
+                    owned[0] &= bucket.kept
                     for item in bucket.pending() if in_place else bucket.tensors():
                         names.append(item[0])
                         yield item
@@ -380,6 +407,8 @@ class MegarlWorkerExtension:
 
                 with set_current_vllm_config(self.vllm_config), torch.inference_mode():
                     in_place.load_checked(self.get_model().load_weights, stream())
+                if owned[0]:  # from the next update on the ranks write into the model (`ReplayingLoader.adopt`)
+                    in_place.adopt()
             else:
                 self.reload_weights(weights_iterator=stream())
             if next(buckets, None) is not None:  # the update's end must be read here, not by the next update

@@ -269,20 +269,20 @@ class ShardingManager:
             for _ in self.iter_buckets():
                 pass
             return None
-        into = getattr(sender, "adopt_into", None)  # set by the sender's check (`InPlaceSender`)
-        if into is not None and not self._room_to_adopt():
+        into = getattr(sender, "adopt_into", None)  # set by the sender's check (`InPlaceSender`, `IpcSender`)
+        if into is not None and not self._room_to_adopt(sender.shares_buffers):
             into = None  # the engine copies each bucket in, from the rings
         buckets = self.iter_buckets(fresh=sender.keeps_buffers, shared=sender.shares_buffers, into=into)
         return sender.send(buckets, version)
 
-    def _room_to_adopt(self) -> bool:
-        """Whether buckets may land in an adopting engine's buffers: yes unless the replica's other ranks
-        write into them (`peers`: then they are shared memory) and /dev/shm has no room for the whole
-        model beside the rings. Decided once, at the first such sync (its buffers then hold the room)."""
+    def _room_to_adopt(self, shared: bool) -> bool:
+        """Whether buckets may land in an adopting engine's buffers: yes unless they are shared memory (the
+        replica's other ranks write into them, `peers`, or the engine is another process, `shared`) and
+        /dev/shm has no room for the whole model beside the rings. Decided once, at the first such sync
+        (its buffers then hold the room)."""
         if self._adoption_fits is None:
-            self._adoption_fits = self.peers is None or free_bytes() >= self.plan.total_bytes + _ring_room(
-                self.bucket_bytes
-            )
+            private = self.peers is None and not shared
+            self._adoption_fits = private or free_bytes() >= self.plan.total_bytes + _ring_room(self.bucket_bytes)
         return self._adoption_fits
 
     def _agree(self, check) -> None:

@@ -74,4 +74,4 @@ def sender_for(engine, *, verify: bool = True, adopt: bool = False) -> Sender:
     parameters, `InPlaceSender`)."""
     if getattr(engine, "in_process", True):
         return InPlaceSender(engine, adopt=adopt)
-    return IpcSender(engine, verify=verify)
+    return IpcSender(engine, verify=verify, adopt=adopt)
