@@ -21,6 +21,14 @@ parameter, picks the shard (q/k/v of a fused qkv, gate/up, the TP slice) and end
    buckets arrive. An update with other tensors stops replaying at the first one that differs and hands
    the whole update to the real loader (some loaders refuse a tensor without its companions, e.g. a tied
    `lm_head` without the embedding); the next update records afresh, as it does after a failed one.
+4. **Adopt** (`adopt()`, after an update replayed whole from buffers its sender keeps for this engine alone,
+   `ipc.IpcSender(adopt=True)`): a parameter that whole copies of consecutive update tensors tile, in
+   order, from tensors lying next to each other in one buffer (q, k, v → qkv; gate, up → gate_up; any
+   weight alone) becomes a view of that memory. The trainer's ranks then write later updates straight into
+   the model, and a replayed tensor already in place is only checked. At rollout TP > 1 the copies are
+   slices: nothing is adopted. Any load but a replay first gives adopted parameters memory of their own
+   again (`release`: its sources may be the buffers they live in); so does a replayed tensor that goes
+   into an adopted parameter but arrives elsewhere (the replay then goes on, its copies re-aimed).
 
 Integrity (`load_checked`): tensors may come with their sender's checksum still to check
 (`protocol.PendingCheck`). A replayed copy of a whole tensor into one contiguous parameter slice of its
@@ -117,6 +125,7 @@ class ReplayingLoader:
             self._plan = self._record(model_loader, _checked_first(items))
         elif not plan.intact(dict(self._parameters())):
             self.disabled = True
+            self.release()
             model_loader(_checked_first(items))
         elif plan.validated:
             self._replay(plan, model_loader, items)

@@ -25,6 +25,10 @@ checksums (an engine server's, received by broadcast: `FlatBucket.expected`) cro
 with new ones: its workers check the trainer's sums. A CPU engine's linears keep plain weights (`vllm_patches`, fix 3):
 the model's weight loaders copy the views into its parameters (each takes the worker's TP slice); from
 the third update with the same tensors on, the copies they made are replayed without them (`load_plan`).
+With `IpcSender(adopt=True)` (the rollout worker's) the buckets land in shared memory the sender keeps for
+its engine alone, and after the first whole replay the worker takes them as its parameters
+(`ReplayingLoader.adopt`, TP 1): the ranks then write every later update straight into the model, and the
+worker only checks it. Such an update counts as begun from its start.
 Otherwise (GPU, packed CPU kernels, MoE experts) the views stream into ONE `reload_weights` call
 (vLLM's layer-wise reload must see a layer's tensors within one call), after which the worker applies
 the vLLM re-pack fixes. vLLM's reload may keep a layer's views until the layer is complete, and the
