@@ -80,11 +80,12 @@ class _Plan:
         """The tensor's recorded copies; with its `check`, in one pass that also sums it (`copysum`) where
         the tensor goes whole into one contiguous parameter slice of its dtype, else checked first."""
         copies = self.copies[index]
-        if len(copies) == 1 and copies[0].dst.data_ptr() == tensor.data_ptr() and _whole(copies[0], tensor):
+        whole = len(copies) == 1 and _whole(copies[0], tensor)
+        if whole and copies[0].dst.data_ptr() == tensor.data_ptr():
             if check is not None:  # an adopted parameter (`ReplayingLoader.adopt`): the bytes are in it already
                 check.check(loaded=True)
             return
-        if check is not None and len(copies) == 1 and _whole(copies[0], tensor):
+        if whole and check is not None:
             check.copy_into(copies[0].dst)
             return
         if check is not None:
@@ -151,7 +152,7 @@ class ReplayingLoader:
                 groups.setdefault(names.pop(), []).append(index)
             else:
                 mixed |= names
-        groups = {n: i for n, i in groups.items() if n is not None and n not in mixed and n not in self.adopted}
+        groups = {n: i for n, i in groups.items() if n is not None and n not in mixed}  # adopted ones: no owner
         adopted = 0
         for name, indices in groups.items():
             region = _tiling_region(params[name], [plan.copies[i][0] for i in indices], [views[i] for i in indices])
