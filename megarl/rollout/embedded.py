@@ -94,20 +94,22 @@ class EmbeddedEngine(RolloutEngine):
         return {name: tuple(p.shape) for name, p in self._params.items()}
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad(), self._weights_lock:
-            for name, tensor in weights:
-                self._params[name].copy_(tensor)
+        self._copy_in((name, tensor, None) for name, tensor in weights)
 
     def load_checked(self, items: Iterable[tuple[str, torch.Tensor, Optional[PendingCheck]]], version: int) -> int:
         """`load` of (name, tensor, its pending checksum check or None) (`protocol.pending_tensors`): a tensor
         with a check is copied and checked in one pass (`PendingCheck.copy_into`)."""
-        with self.updating(version) as progress, torch.no_grad(), self._weights_lock:
-            for name, tensor, check in progress.track(items):
+        with self.updating(version) as progress:
+            self._copy_in(progress.track(items))
+        return version
+
+    def _copy_in(self, items: Iterable[tuple[str, torch.Tensor, Optional[PendingCheck]]]) -> None:
+        with torch.no_grad(), self._weights_lock:
+            for name, tensor, check in items:
                 if check is None:
                     self._params[name].copy_(tensor)
                 else:
                     check.copy_into(self._params[name])
-        return version
 
     def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
         """Whether a sync of these tensors can land in `update_buffers` and become the parameters
