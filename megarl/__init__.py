@@ -4,12 +4,15 @@ Packages: `models` (HF ↔ megatron-core bridge and conversion), `data` (batch t
 datasets, balancing), `algorithms` (advantages, losses, KL), `rewards` (rule, sandboxed code and
 model rewards), `utils`. Importing `megarl` imports nothing heavy; it defers torch.compile's cost
 in this process's first import of megatron.core (`megarl.utils.lazy_compile`) and keeps transformers'
-import-time file scans in a cache (`megarl.utils.import_cache`).
+import-time file scans in a cache (`megarl.utils.import_cache`); vLLM's import leaves inductor's lowering
+to its first use (`megarl.utils.lazy_lowering`).
 """
 
 from megarl.utils import import_cache as _import_cache
 from megarl.utils import lazy_compile as _lazy_compile
+from megarl.utils import lazy_lowering as _lazy_lowering
 
 __version__ = "0.1.0"
 _lazy_compile.install()
 _import_cache.install()
+_lazy_lowering.install()

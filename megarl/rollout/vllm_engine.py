@@ -309,7 +309,11 @@ REQUIRED_APIS = ("update_weight_version", "pause_generation", "resume_generation
 def check_vllm_apis() -> None:
     """Refuse a vLLM without the APIs this engine calls, before it starts (older releases, e.g. 0.19)."""
     import vllm
-    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from megarl.rollout.vllm_start import eager_on_cpu
+
+    with eager_on_cpu(torch.cuda.is_available()):  # vLLM's engine modules' first import, if this is it
+        from vllm.v1.engine.async_llm import AsyncLLM
 
     missing = [name for name in REQUIRED_APIS if not hasattr(AsyncLLM, name)]
     if missing:

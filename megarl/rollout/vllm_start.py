@@ -142,7 +142,12 @@ def eager_on_cpu(on_gpu: bool):
     What: TORCHDYNAMO_DISABLE=1 (torch's switch: every `torch.compile`d function runs as plain Python)
       in the environment while the engine starts, so a spawned core and its TP workers read it at
       import; a forked core, whose torch is already imported, sets `torch._dynamo.config.disable`
-      (`_in_forked_core`). The engine's own process is unchanged (the variable is restored).
+      (`_in_forked_core`). The engine's own process is unchanged (the variable is restored), but for
+      one thing: `check_vllm_apis` imports vLLM's engine modules under it too, so that their
+      module-level `@torch.compile` decorators return the plain functions (torch's `_NullDecorator`):
+      decorating otherwise imports inductor's `compile_fx` and lowering (1.3 s of CPU in each rollout
+      worker, with the lowering left out of `import vllm` by `megarl.utils.lazy_lowering`). The
+      engine's process never calls those helpers; its forked core inherits them plain.
     Why: with `enforce_eager` the model itself is never compiled, but vLLM 0.32 still compiles small
       helpers with inductor at their first call, e.g. `batched_count_greater_than` (the rank of each
       sampled token, asked for by every request with log-probs): on CPU that is C++ codegen plus

@@ -480,6 +480,37 @@ def test_a_cpu_engine_core_runs_vllms_compiled_helpers_eagerly(monkeypatch, opt_
     assert _forked_child_compiles()  # forks outside the engine start are left alone
 
 
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_vllms_engine_modules_import_on_cpu_without_inductor(opt_out):
+    """`check_vllm_apis` (the first import of vLLM's engine in a rollout worker) leaves vLLM's module-level
+    `@torch.compile` helpers plain on CPU, so no inductor is imported (1.3 s of CPU per worker);
+    MEGARL_VLLM_CPU_COMPILE=1 keeps them compiled."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from megarl.rollout.vllm_engine import check_vllm_apis
+        check_vllm_apis()
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8 as helper  # imported with the engine, compiled
+        compiled = hasattr(helper, "_torchdynamo_orig_callable")
+        print(compiled, "torch._inductor.compile_fx" in sys.modules, "TORCHDYNAMO_DISABLE" in os.environ)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHDYNAMO_DISABLE", "MEGARL_VLLM_CPU_COMPILE")}
+    if opt_out:
+        env["MEGARL_VLLM_CPU_COMPILE"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    compiled, inductor, variable_left = out.stdout.strip().split("\n")[-1].split()
+    assert (compiled, inductor, variable_left) == (str(opt_out), str(opt_out), "False")
+
+
 def _forked_child_freeze_count() -> int:
     """Fork; the child reports how many objects its garbage collector holds frozen."""
     import gc
