@@ -11,13 +11,14 @@ patch then returns at its own `except ImportError`. A second hook applies the sa
 `torch._inductor.lowering` is first imported (by the first compile, wherever it comes from): the list is wrapped
 before any compile reads it, and `torch._inductor.graph`'s copy of the name is re-bound where graph imported it
 first. Only for the vLLM versions in `VERIFIED` (another version imports as vLLM wrote it); a process that
-imported vLLM or the lowering before megarl keeps the normal import.
+imported vLLM or the lowering before megarl keeps the normal import. `MEGARL_LAZY_LOWERING=0` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import os
 import sys
 
 from megarl.utils.first_import import FirstImportHook
@@ -47,7 +48,7 @@ def _without_lowering():
 
 def _deferred_import(execute, module) -> None:
     version = getattr(sys.modules.get("vllm.version"), "__version__", None)
-    if version not in VERIFIED or LOWERING in sys.modules:
+    if version not in VERIFIED or LOWERING in sys.modules or os.environ.get("MEGARL_LAZY_LOWERING") == "0":
         execute(module)
         return
     with _without_lowering():

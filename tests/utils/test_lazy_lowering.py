@@ -36,6 +36,8 @@ def test_vllm_after_megarl_leaves_the_lowering_and_its_first_import_gets_vllms_p
     assert _run("import megarl") == ["False", "_VllmFallbackAllowList True", "True False"]
 
 
-def test_an_unverified_vllm_version_imports_as_vllm_wrote_it():
+def test_an_unverified_vllm_version_or_the_opt_out_imports_as_vllm_wrote_it():
     before = "import megarl.utils.lazy_lowering as lazy; lazy.VERIFIED = ()"
+    assert _run(before) == ["True", "_VllmFallbackAllowList True", "True False"]
+    before = "import os; os.environ['MEGARL_LAZY_LOWERING'] = '0'; import megarl"
     assert _run(before) == ["True", "_VllmFallbackAllowList True", "True False"]
