@@ -4,6 +4,11 @@
     python benchmarks/weight_sync.py --quick    # ~5M parameters, seconds (plus vLLM's start-up)
     python benchmarks/weight_sync.py --bucket-mb 16 --repeats 6 --no-vllm
 
+Buckets are bounded by the sharding manager's default (`plan.DEFAULT_BUCKET_BYTES`, 256 MiB: what a training run's
+syncs use) unless --bucket-mb says otherwise; until 2026-11-27 this benchmark's default was 16 MiB, which makes 22
+buckets of the 100M model instead of 4 (more round trips per sync: IPC 0.37–0.49× of a copy against 0.51–0.71× at
+256 MiB in the same hour), and the README's earlier rows were measured with it.
+
 Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
 --repeats (times on rank 0, every rank between two barriers; a verified path and its unverified twin swap
@@ -54,6 +59,7 @@ from typing import Optional
 import torch
 
 from megarl.models.layout import ParallelLayout
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
 
 LAYOUT = ParallelLayout(tp=2, pp=2)
 
@@ -407,7 +413,12 @@ def report(result, bucket_mb: float) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model (~5M parameters)")
-    parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size bound in MiB")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help="bucket size bound in MiB (default: the sharding manager's, what training runs use)",
+    )
     parser.add_argument("--repeats", type=int, default=6, help="rounds (even: the twins run first equally often)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--no-vllm", action="store_true", help="skip the IPC path (a vLLM CPU engine)")
