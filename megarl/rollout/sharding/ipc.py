@@ -378,8 +378,10 @@ class MegarlWorkerExtension:
     def megarl_adopted_bytes(self) -> int:
         """Parameter bytes of this worker that live in the sender's buffers (`load_plan.ReplayingLoader.adopt`)."""
         loader = self._megarl_in_place()
-        params = dict(self.get_model().named_parameters()) if loader is not None else {}
-        return sum(params[n].numel() * params[n].element_size() for n in (loader.adopted if loader else ()))
+        if loader is None:
+            return 0
+        params = dict(self.get_model().named_parameters())
+        return sum(params[n].numel() * params[n].element_size() for n in loader.adopted)
 
     def megarl_replayed_tensors(self) -> int:
         """How many update tensors this worker loaded by replaying its loaders' copies (`load_plan`)."""
