@@ -4,7 +4,8 @@
     python benchmarks/delta_sync.py --quick       # ~5M parameters, seconds
 
 A bf16 Llama checkpoint is written for the run; an embedded (`transformers`) engine in another
-process takes every update as an engine server does (`BroadcastReceiver` over a gloo weight group,
+process takes every update as an engine server on another host does (`BroadcastReceiver` over a gloo
+weight group, `BroadcastSender(shm=False)`: on one host the buckets would cross by shared memory, whole;
 integrity check on). Per learning rate, one real AdamW step (fp32 master weights, the LM loss on
 random tokens, the result cast to bf16: what the trainer would send next) gives the next version;
 then, alternating, best of --repeats: the update from the previous version sent whole (delta off)
@@ -74,7 +75,8 @@ def main():
         port = free_port()
         engine_side = mp.get_context("spawn").Process(target=receiver, args=(hf_dir, port))
         engine_side.start()
-        sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600))
+        # the wire path (engine servers on other hosts): on one host the buckets would cross by shared memory
+        sender = BroadcastSender(WeightGroup("127.0.0.1", port, 0, 2, timeout_s=600), shm=False)
         version = [0]
 
         def sync(weights, delta: bool) -> tuple[float, int]:

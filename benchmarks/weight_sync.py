@@ -30,8 +30,12 @@ places every other round, since the first sync of a transport after another's ru
                  (skipped with --no-vllm or without vLLM; `MEGARL_ADOPT_WEIGHTS=0`: the worker copies every
                  update in, the path before 2026-11-27);
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
-                 gloo weight group (the server-mode path: one broadcast per bucket buffer, the
-                 receiver loads in place);
+                 gloo weight group (the server-mode path). Both processes run on this host, so the
+                 buckets cross by shared memory (since 2026-11-27): the receiver maps the sender's
+                 buffer and copies from it into its model, checking each tensor as it copies it;
+                 only control messages, places and checksums go over the group;
+  * broadcast-tcp — the same with `BroadcastSender(shm=False)`: one gloo broadcast per bucket buffer
+                 (the path of engine servers on other hosts, on CPU);
   * ipc-unverified, broadcast-unverified — the same without the integrity check (`verify=False`:
                  no per-tensor checksums taken by the sender and checked by the receiver); the
                  report prints the check's share of each path's sync time (best of each twin, and the
@@ -132,9 +136,9 @@ def sync_ipc(manager, sender, verify: bool = True):
     return _sync(manager, sender)
 
 
-def sync_broadcast(manager, sender, verify: bool = True):
-    if sender is not None:
-        sender.verify = verify  # the receiver follows what each update's header says
+def sync_broadcast(manager, sender, verify: bool = True, shm: bool = True):
+    if sender is not None:  # the receiver follows what each update's header and first message say
+        sender.verify, sender.shm = verify, shm
     return _sync(manager, sender)
 
 
@@ -199,6 +203,7 @@ def bench_rank(quick: bool, bucket_mb: float, repeats: int, hf_dir: str, port: i
         "in-process-gloo": lambda: sync_in_process(gloo, engines.get("in-process")),
         "broadcast": lambda: sync_broadcast(fast, engines.get("broadcast")),
         "broadcast-unverified": lambda: sync_broadcast(fast, engines.get("broadcast"), verify=False),
+        "broadcast-tcp": lambda: sync_broadcast(fast, engines.get("broadcast"), shm=False),
     }
     if use_vllm:
         paths["ipc"] = lambda: sync_ipc(fast, engines.get("ipc-sender"))
@@ -403,6 +408,8 @@ def report(result, bucket_mb: float) -> None:
     print(
         f"same-host shared memory vs gloo messages (`ShardingManager(host_shm=False)`): gather"
         f" {t['gather-gloo'] / t['gather']:.2f}x   in-process {t['in-process-gloo'] / t['in-process']:.2f}x"
+        f"   broadcast {t['broadcast-tcp'] / t['broadcast']:.2f}x (`BroadcastSender(shm=False)`: the gloo"
+        f" broadcast, {t['copy'] / t['broadcast-tcp']:.3f} of a copy)"
     )
     print(
         f"gather vs send (wire floor): {t['send'] / t['gather']:.3f}   gather speedup over naive:"

@@ -247,7 +247,8 @@ class RolloutConfig:
     """rollout.mode=server: after the first update, 16-bit (bf16/fp16) buckets travel as the elements whose
     bits changed (int32 index + value; whole when that is not smaller). Costs a copy of those weights on
     the sending trainer rank and on every server; pays where the network is slower than memory and
-    the learning rate small (most bf16 weights keep their bits from one step to the next)."""
+    the learning rate small (most bf16 weights keep their bits from one step to the next). Engine servers
+    on the trainer's host (CPU, gloo) read every update from its shared memory instead, whole: no wire."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent loops (multi-turn tools, environments): which loop, its limits, the tool YAML. A row's
     `agent_name` column picks its loop; the default, single_turn, is one completion per sample.

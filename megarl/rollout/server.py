@@ -8,7 +8,8 @@ and the engine pauses itself around each load, its `update_mode`) and
 holds the gathered weights (the sharding manager's rollout rank) is rank 0 of the weight group
 and calls `ShardingManager.sync(BroadcastSender(group), version)`; the driver asks every server to
 `receive_update()` for each sync (the server's engine takes the policy version the trainer sends). On CPU the group is gloo (tested with the embedded engine and
-the vLLM CPU build); on GPU pass backend="nccl".
+the vLLM CPU build), and servers on the trainer's host read each bucket from its shared memory
+(`BroadcastSender(shm=True)`); on GPU pass backend="nccl".
 
 Imports Ray only inside the helpers, so the module imports without it.
 """

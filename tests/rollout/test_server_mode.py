@@ -41,7 +41,8 @@ def sender_rank(actor_path, layout, port, world_size):
         if manager.is_rollout_rank
         else None
     )
-    return manager.sync(sender, version=1)
+    version = manager.sync(sender, version=1)
+    return version, sender is not None and sender.shares_buffers  # by shared memory: every member on this host
 
 
 def greedy(servers):
@@ -60,7 +61,7 @@ def test_two_engine_servers_receive_the_same_weights_by_broadcast(ray_cluster, r
         sender_rank, 4, str(rollout_models["llama"]), ParallelLayout(tp=2, pp=2), port, 3, timeout=240
     )
     ray.get(joins)
-    assert ray.get(updates) == [1, 1] and results[0] == 1
+    assert ray.get(updates) == [1, 1] and results[0] == (1, True)
     after = greedy(servers)
     assert after[0] == after[1] == hf_greedy(rollout_models["llama"]) != before[0]
 
@@ -98,7 +99,7 @@ def test_vllm_engine_server_receives_a_broadcast_update(ray_cluster, rollout_mod
     update = server.receive_update.remote()
     weights = load_file(str(rollout_models["qwen3"] / "model.safetensors"))
     assert sender.update(sorted(weights.items()), version=1) == 1
-    assert ray.get(update) == 1
+    assert ray.get(update) == 1 and sender.shares_buffers  # the server mapped the buckets, passed them on by IPC
     assert greedy([server])[0] == hf_greedy(rollout_models["qwen3"])
     ray.kill(server)
 

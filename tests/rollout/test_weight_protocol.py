@@ -256,35 +256,109 @@ def receiving(receiver) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models, checkpoint):
+@pytest.mark.parametrize("shm", [False, True])
+def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models, checkpoint, shm, monkeypatch):
+    """Over the group's TCP each bucket's buffer is broadcast as it is; with every member on this host (`shm`)
+    no byte of a bucket is broadcast: the receiver maps the sender's shared buffer (once, for both updates)
+    and the sender copies nothing into a staging buffer. Either way the engine ends bit-identical and each
+    bucket's layout crosses once."""
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
 
     groups = weight_groups()
     receiver_engine = EmbeddedEngine(rollout_models["llama_other"])
     receiver = BroadcastReceiver(groups[1], receiver_engine)
-    sender = BroadcastSender(groups[0])
-    broadcast, objects = [], []
-    send_tensor, send_object = groups[0].broadcast, groups[0].broadcast_object
+    sender = BroadcastSender(groups[0], shm=shm)
+    broadcast, objects, mapped = [], [], []
+    send_tensor, send_object, from_file = groups[0].broadcast, groups[0].broadcast_object, torch.from_file
     groups[0].broadcast = lambda tensor, src=0, **kw: (
-        broadcast.append(tensor.data_ptr()),
+        broadcast.append((tensor.data_ptr(), tensor.dtype)),
         send_tensor(tensor, src, **kw),
     )[1]
     groups[0].broadcast_object = lambda obj=None, src=0: (objects.append(obj), send_object(obj, src))[1]
+    monkeypatch.setattr(torch, "from_file", lambda *a, **kw: mapped.append(a[0]) or from_file(*a, **kw))
+    buckets = list(bucket_tensors(checkpoint, 200_000, shared=shm))
     for version in (4, 5, None):
         thread, result = receiving(receiver)
         if version is None:
             sender.close()
         else:
-            buckets = list(bucket_tensors(checkpoint, 200_000))
             sender.check(specs_of(checkpoint))
             with no_cat():
                 assert sender.send(buckets, version) == version
-            assert all(b.buffer.data_ptr() in broadcast for b in buckets)  # each buffer as it is
+            sent = {ptr for ptr, _ in broadcast}
+            assert all((b.buffer.data_ptr() in sent) != shm for b in buckets)  # each buffer as it is, or none
         thread.join(timeout=60)
         assert result["v"] == version and (version is None or version == receiver_engine.version)
     assert engine_equals(receiver_engine, checkpoint)
     layouts = [o for o in objects if isinstance(o, tuple)]
     assert len(layouts) == len(buckets)  # bucket layouts crossed once, not once per update
+    assert sender.shares_buffers == shm and sender.sent_bytes == sum(b.buffer.nbytes for b in buckets)
+    if shm:
+        assert {dtype for _, dtype in broadcast} <= {torch.int64, torch.uint8}  # control, places, checksums
+        assert len(mapped) == len(buckets) and sender._staging.buffers == [None]
+
+
+def test_a_shared_memory_broadcast_reuses_the_senders_buffer_only_after_the_engine_copied_it(
+    rollout_models, checkpoint, monkeypatch
+):
+    """By shared memory, buckets that do not live there cross through one staging buffer of the sender's: a
+    slow engine has copied bucket k (each tensor checked as it is copied, bucket 0 whole first) before the
+    sender writes bucket k+1 into that buffer; the engine ends bit-identical."""
+    from megarl.rollout.sharding import copysum
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    buckets = list(bucket_tensors(checkpoint, 200_000))
+    bucket_of = {e.name: i for i, b in enumerate(buckets) for e in b.entries}
+    events, load, share = [], engine.load_checked, sender._share_bucket
+
+    def loading(items):
+        for name, tensor, check in items:
+            if name == buckets[bucket_of[name]].entries[0].name:
+                time.sleep(0.05)  # a slow engine
+            yield name, tensor, check
+            events.append(("pending" if check is not None else "passed", bucket_of[name]))
+            if name == buckets[bucket_of[name]].entries[-1].name:
+                events.append(("loaded", bucket_of[name]))
+
+    def sharing(position, bucket):
+        events.append(("staged", position))
+        share(position, bucket)
+
+    monkeypatch.setattr(engine, "load_checked", lambda items, version: load(loading(items), version))
+    monkeypatch.setattr(sender, "_share_bucket", sharing)
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    assert sender.send(buckets, 3) == 3
+    thread.join(timeout=60)
+    assert result["v"] == 3 and engine_equals(engine, checkpoint)
+    assert len(buckets) > 2 and len(sender._staging.buffers) == 1  # every bucket through the same buffer
+    at = {event: i for i, event in enumerate(events)}
+    assert all(at["loaded", k] < at["staged", k + 1] for k in range(len(buckets) - 1))
+    assert {k for kind, k in events if kind == "passed"} == {0}
+    if copysum.available():
+        assert {k for kind, k in events if kind == "pending"} == set(range(1, len(buckets)))
+
+
+def test_a_group_with_a_member_on_another_host_broadcasts_over_tcp(rollout_models, checkpoint, monkeypatch):
+    """The host ids differ (another machine, or a container with a /dev/shm of its own): the sender keeps the
+    TCP broadcast, probed once, and the engine ends bit-identical."""
+    from megarl.rollout.sharding import broadcast as bc
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver, sender = bc.BroadcastReceiver(groups[1], engine), bc.BroadcastSender(groups[0])
+    hosts = iter(["here", "there"] * 2)
+    probes = []
+    monkeypatch.setattr(bc, "host_id", lambda: probes.append(1) or next(hosts))
+    for version in (1, 2):
+        thread, result = receiving(receiver)
+        assert sender.update(checkpoint, version) == version
+        thread.join(timeout=60)
+        assert result["v"] == version and not sender.shares_buffers and engine_equals(engine, checkpoint)
+    assert len(probes) == 2  # one id from each member, at the first update only
 
 
 def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_checks_each_tensor_as_it_copies_it(
@@ -299,7 +373,7 @@ def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_checks_each_tensor
 
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"])
-    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], shm=False)
     buckets = list(bucket_tensors(checkpoint, 200_000))
     bucket_of = {e.name: i for i, b in enumerate(buckets) for e in b.entries}
     events, threads, fused = [], set(), []
@@ -352,32 +426,43 @@ def test_a_broadcast_receiver_takes_each_bucket_one_ahead_and_checks_each_tensor
             assert at["loaded", k] < at["received", k + 2]
 
 
+@pytest.mark.parametrize("shm", [False, True])
 @pytest.mark.parametrize("corrupt", [0, 2])
 def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_tensor(
-    rollout_models, checkpoint, corrupt
+    rollout_models, checkpoint, corrupt, shm
 ):
-    """One bit of the `corrupt`-th bucket flips on the receiver's side: the update fails on both sides naming
-    the tensor, the engine keeps its version (bucket 0: nothing was loaded, it keeps serving; later: it
-    refuses requests until an update succeeds), and the group stays in step for the next update."""
+    """One bit of the `corrupt`-th bucket flips on the receiver's side (as it arrives over TCP, or in the
+    sender's shared buffer the receiver mapped): the update fails on both sides naming the tensor, the engine
+    keeps its version (bucket 0: nothing was loaded, it keeps serving; later: it refuses requests until an
+    update succeeds), and the group stays in step for the next update."""
     from megarl.rollout.sharding import copysum
     from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
 
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"])
     before = [(n, t.clone()) for n, t in engine._params.items()]
-    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], shm=shm)
     buckets = list(bucket_tensors(checkpoint, 200_000))
     assert len(buckets) > corrupt
-    receive, seen = groups[1].broadcast, []
+    receive, open_shared, seen = groups[1].broadcast, receiver._peers.open, []
+
+    def flip(tensor):
+        if len(seen) == corrupt:
+            tensor.view(torch.uint8)[-1] ^= 1  # the bucket's last tensor
+        seen.append(tensor.numel())
 
     def flipping(tensor, src=0):
         receive(tensor, src)
         if tensor.is_floating_point():  # a bucket's buffer (control messages and checksums are int64)
-            if len(seen) == corrupt:
-                tensor.view(torch.uint8)[-1] ^= 1  # the bucket's last tensor
-            seen.append(tensor.numel())
+            flip(tensor)
+
+    def flipping_shared(*args):
+        mapped = open_shared(*args)
+        flip(mapped)
+        return mapped
 
     groups[1].broadcast = flipping
+    receiver._peers.open = flipping_shared
     thread, result = receiving(receiver)
     sender.check(specs_of(checkpoint))
     name = buckets[corrupt].entries[-1].name
@@ -394,7 +479,7 @@ def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_ten
         assert engine.broken is None and engine_equals(engine, before)
     else:
         assert "refuses requests" in engine.broken
-    groups[1].broadcast = receive
+    groups[1].broadcast, receiver._peers.open = receive, open_shared
     thread, result = receiving(receiver)
     sender.check(specs_of(checkpoint))
     assert sender.send(buckets, 8) == 8
@@ -416,7 +501,7 @@ def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a
 
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"], dtype=torch.bfloat16)
-    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], delta=True)
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], delta=True, shm=False)
     first = [(n, t.to(torch.bfloat16)) for n, t in checkpoint]
     dense = sum(t.numel() * 2 for _, t in first)
     updates = [first, adamw_step(first, lr=1e-5), adamw_step(first, lr=1e-5)]
