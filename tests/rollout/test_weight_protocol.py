@@ -342,17 +342,24 @@ def test_a_shared_memory_broadcast_reuses_the_senders_buffer_only_after_the_engi
         assert {k for kind, k in events if kind == "pending"} == set(range(1, len(buckets)))
 
 
-def test_a_group_with_a_member_on_another_host_broadcasts_over_tcp(rollout_models, checkpoint, monkeypatch):
-    """The host ids differ (another machine, or a container with a /dev/shm of its own): the sender keeps the
-    TCP broadcast, probed once, and the engine ends bit-identical."""
+@pytest.mark.parametrize("why", ["another host", "a small /dev/shm"])
+def test_a_group_with_a_member_on_another_host_broadcasts_over_tcp(rollout_models, checkpoint, monkeypatch, why):
+    """The host ids differ (another machine, or a container with a /dev/shm of its own), or the sender's
+    /dev/shm has no room for the sharding manager's shared rings (a container's default 64 MiB): the sender
+    keeps the TCP broadcast, probed once, and the engine ends bit-identical."""
     from megarl.rollout.sharding import broadcast as bc
+    from megarl.rollout.sharding import shm
 
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"])
     receiver, sender = bc.BroadcastReceiver(groups[1], engine), bc.BroadcastSender(groups[0])
-    hosts = iter(["here", "there"] * 2)
-    probes = []
-    monkeypatch.setattr(bc, "host_id", lambda: probes.append(1) or next(hosts))
+    probes, host_id = [], shm.host_id
+    if why == "another host":
+        hosts = iter(["here", "there"])
+        monkeypatch.setattr(bc, "host_id", lambda **kw: probes.append(1) or next(hosts))
+    else:
+        monkeypatch.setattr(shm, "free_bytes", lambda: 64 << 20)
+        monkeypatch.setattr(bc, "host_id", lambda **kw: probes.append(1) or host_id(**kw))
     for version in (1, 2):
         thread, result = receiving(receiver)
         assert sender.update(checkpoint, version) == version

@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megarl.rollout.sharding.plan import HFSlot, HFSpec
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
 from megarl.rollout.sharding.protocol import (
     FlatBucket,
     WeightUpdateError,
@@ -61,7 +61,7 @@ from megarl.rollout.sharding.protocol import (
     verify_bucket,
 )
 from megarl.rollout.sharding.senders import sender_for
-from megarl.rollout.sharding.shm import ShmPeers, host_id, same_host
+from megarl.rollout.sharding.shm import ShmPeers, host_id, ring_room, same_host
 from megarl.rollout.sharding.transport import BufferRing, KeptBuffers
 from megarl.utils.faults import hold
 
@@ -144,7 +144,9 @@ class BroadcastSender:
     to update) and copies from it into its engine (checking as it copies, where the engine does), and the
     sender takes the next bucket only once every receiver said it was done with this one. Delta updates
     (`delta`) then send nothing sparse: shared memory moves no bytes over a wire. False: always the TCP
-    broadcast (a group with a member on another host uses it anyway).
+    broadcast, which a group with a member on another host uses anyway, and so does a sender whose /dev/shm
+    has no room for the sharding manager's shared rings (`shm.ring_room`: 1 GiB at the default bucket bound;
+    a container's default /dev/shm is 64 MiB).
     """
 
     keeps_buffers = False  # a broadcast has completed on every member before the next bucket is asked for
@@ -179,8 +181,9 @@ class BroadcastSender:
             "probe": self.shm and self._same_host is None,  # every member then all-gathers its host id
         }
         self.group.broadcast_object(header)
-        if header["probe"]:
-            self._same_host = same_host(self.group.all_gather_messages(host_id()))
+        if header["probe"]:  # this side: a host id only with room in /dev/shm for the manager's shared rings
+            mine = host_id(min_free_bytes=ring_room(DEFAULT_BUCKET_BYTES))
+            self._same_host = same_host(self.group.all_gather_messages(mine))
         self._via_shm = bool(self.shm and self._same_host)
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
         if failures:

@@ -26,7 +26,7 @@ import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
-from megarl.rollout.sharding.shm import ShmPeers, free_bytes, host_id, same_host
+from megarl.rollout.sharding.shm import ShmPeers, free_bytes, host_id, ring_room, same_host
 from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, lands_flat, stream_buckets, unpack_bucket
 
 
@@ -160,7 +160,7 @@ class ShardingManager:
         import torch.distributed as dist
 
         g = self.groups
-        host = None if torch.cuda.is_available() else host_id(min_free_bytes=_ring_room(self.bucket_bytes))
+        host = None if torch.cuda.is_available() else host_id(min_free_bytes=ring_room(self.bucket_bytes))
         mine = (g.source, g.tp_rank, self.rank, self._metas if g.tp_rank == 0 else None, host)
         everyone = [None] * dist.get_world_size(g.mp_group)
         dist.all_gather_object(everyone, mine, group=g.mp_group)
@@ -282,7 +282,7 @@ class ShardingManager:
         (its buffers then hold the room)."""
         if self._adoption_fits is None:
             private = self.peers is None and not shared
-            self._adoption_fits = private or free_bytes() >= self.plan.total_bytes + _ring_room(self.bucket_bytes)
+            self._adoption_fits = private or free_bytes() >= self.plan.total_bytes + ring_room(self.bucket_bytes)
         return self._adoption_fits
 
     def _agree(self, check) -> None:
@@ -318,11 +318,6 @@ def _any_rank(flag: bool, group) -> bool:
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
-
-
-def _ring_room(bucket_bytes: int) -> int:
-    """/dev/shm a rollout rank's shared rings may take: 3 buckets, and a bucket may exceed the bound."""
-    return 4 * max(bucket_bytes, 256 << 20)
 
 
 def _check(sender: Optional[Sender], specs, rank: int) -> None:

@@ -64,6 +64,12 @@ def host_id(min_free_bytes: int = 0) -> Optional[str]:
     return f"{socket.gethostname()}/{boot}/{mount}/{pids}"
 
 
+def ring_room(bucket_bytes: int) -> int:
+    """/dev/shm a sync's shared rings may take on a rollout rank (`transport.SyncBuffers`: 3 buckets, and a
+    bucket may exceed the bound)."""
+    return 4 * max(bucket_bytes, 256 << 20)
+
+
 def free_bytes() -> int:
     """Bytes free in /dev/shm (0 where there is none)."""
     try:
