@@ -342,11 +342,12 @@ def test_a_shared_memory_broadcast_reuses_the_senders_buffer_only_after_the_engi
         assert {k for kind, k in events if kind == "pending"} == set(range(1, len(buckets)))
 
 
-@pytest.mark.parametrize("why", ["another host", "a small /dev/shm"])
+@pytest.mark.parametrize("why", ["another host", "another user", "a small /dev/shm"])
 def test_a_group_with_a_member_on_another_host_broadcasts_over_tcp(rollout_models, checkpoint, monkeypatch, why):
-    """The host ids differ (another machine, or a container with a /dev/shm of its own), or the sender's
-    /dev/shm has no room for the sharding manager's shared rings (a container's default 64 MiB): the sender
-    keeps the TCP broadcast, probed once, and the engine ends bit-identical."""
+    """The host ids differ (another machine, or a container with a /dev/shm of its own), a member runs as
+    another user (it could not open the sender's /proc/<pid>/fd), or the sender's /dev/shm has no room for the
+    sharding manager's shared rings (a container's default 64 MiB): the sender keeps the TCP broadcast, probed
+    once, and the engine ends bit-identical."""
     from megarl.rollout.sharding import broadcast as bc
     from megarl.rollout.sharding import shm
 
@@ -357,6 +358,10 @@ def test_a_group_with_a_member_on_another_host_broadcasts_over_tcp(rollout_model
     if why == "another host":
         hosts = iter(["here", "there"])
         monkeypatch.setattr(bc, "host_id", lambda **kw: probes.append(1) or next(hosts))
+    elif why == "another user":
+        main = threading.main_thread()  # the sender's; the receiver's runs on a thread of its own
+        monkeypatch.setattr(bc.os, "getuid", lambda: 1000 if threading.current_thread() is main else 1001)
+        monkeypatch.setattr(bc, "host_id", lambda **kw: probes.append(1) or host_id(**kw))
     else:
         monkeypatch.setattr(shm, "free_bytes", lambda: 64 << 20)
         monkeypatch.setattr(bc, "host_id", lambda **kw: probes.append(1) or host_id(**kw))

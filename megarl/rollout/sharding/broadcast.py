@@ -27,7 +27,7 @@ stays in step, and the sender raises `WeightUpdateError` with that engine's mess
 (tested), NCCL on GPU.
 
 Same host (gloo, `BroadcastSender(shm=True)`, the default): at the first `check` every member all-gathers
-its `shm.host_id`; where all are equal (engine servers on the trainer's machine, as NCCL would use shared
+its `shm.host_id` and user id; where all are equal (engine servers on the trainer's machine, as NCCL would use shared
 memory or P2P there) no bucket byte crosses the group's TCP. Per bucket the sender broadcasts the control
 message, the layout (when new), the buffer's place in its shared memory (`shm.ShmPeers.place`: the sharding
 manager gathers into shared memory for such a sender, `shares_buffers`; another buffer is copied into one
@@ -43,6 +43,7 @@ copy's bytes/s over TCP to 0.35–0.49× this way (6 runs): it is the sender's g
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Iterable, Optional, Sequence
@@ -122,7 +123,7 @@ class BroadcastSender:
         }
         self.group.broadcast_object(header)
         if header["probe"]:  # this side: a host id only with room in /dev/shm for the manager's shared rings
-            mine = host_id(min_free_bytes=ring_room(DEFAULT_BUCKET_BYTES))
+            mine = _host_and_user(min_free_bytes=ring_room(DEFAULT_BUCKET_BYTES))
             self._same_host = same_host(self.group.all_gather_messages(mine))
         self._via_shm = bool(self.shm and self._same_host)
         failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
@@ -268,7 +269,7 @@ class BroadcastReceiver:
         if header.get("close"):
             return None
         if header.get("probe"):
-            self.group.all_gather_messages(host_id())
+            self.group.all_gather_messages(_host_and_user())
         specs = [HFSpec(n, tuple(s), getattr(torch, d)) for n, s, d in header["specs"]]
         try:
             self.local.check(specs, partial=header["partial"])
@@ -459,6 +460,13 @@ class _ReceiveAhead:
             self._ready.put((None, None))
         except BaseException as err:  # noqa: BLE001 -- the group failed: handed to the engine's side, which raises it
             self._ready.put((None, err))
+
+
+def _host_and_user(min_free_bytes: int = 0) -> Optional[str]:
+    """This member's `shm.host_id` and user: a process of another user on the same host cannot open this one's
+    shared memory through /proc/<pid>/fd (None: no id, `host_id`'s reasons)."""
+    host = host_id(min_free_bytes=min_free_bytes)
+    return None if host is None else f"{host}/uid={os.getuid()}"
 
 
 def _checked_views(bucket: FlatBucket) -> list:
