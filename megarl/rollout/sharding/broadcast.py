@@ -159,14 +159,11 @@ class BroadcastSender:
     def _send_bucket(self, position: int, bucket: FlatBucket) -> None:
         """The bucket's buffer, or with `delta` only its elements whose bits changed since the receivers'
         copy (int32 indices + values; whole when that is not smaller); then its checksums (`verify`)."""
-        layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
-        new = position >= len(self._layouts) or self._layouts[position] != layout
+        layout, new = self._layout(position, bucket)
         buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
         changed = _changed(buffer, self._held.get(position)) if self.delta and not new else None
-        self._control(_BUCKET if changed is None else _DELTA, buffer.numel() if changed is None else len(changed), new)
-        if new:
-            self.group.broadcast_object(layout)
-            self._layouts[position : position + 1] = [layout]
+        kind, value = (_BUCKET, buffer.numel()) if changed is None else (_DELTA, len(changed))
+        self._announce(kind, value, position, layout, new)
         if changed is None:
             moving = self.group.broadcast(buffer, wait=False)
             self.sent_bytes += buffer.numel() * buffer.element_size()
@@ -196,16 +193,11 @@ class BroadcastSender:
     def _share_bucket(self, position: int, bucket: FlatBucket) -> None:
         """The bucket by shared memory: its place and checksums; returns once every receiver is done reading
         it (the caller may then write into its buffer again)."""
-        layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
-        new = position >= len(self._layouts) or self._layouts[position] != layout
         buffer, place = bucket.buffer, self._place(bucket.buffer)
         if place is None:  # not in fd shared memory: one copy into the staging buffer
             buffer = self._staging.take(buffer.numel(), buffer.dtype, "cpu").copy_(buffer)
             place = self._peers.place(buffer)
-        self._control(_SHARED, buffer.numel(), new)
-        if new:
-            self.group.broadcast_object(layout)
-            self._layouts[position : position + 1] = [layout]
+        self._announce(_SHARED, buffer.numel(), position, *self._layout(position, bucket))
         sums = None  # taken before any receiver can read the buffer; the writers' hold for a staging copy too
         if self.verify:
             sums = bucket.sums if bucket.sums is not None else checksums(FlatBucket(buffer, bucket.entries))
@@ -214,6 +206,18 @@ class BroadcastSender:
             self.group.broadcast(sums)
         self.group.sync_point()  # every receiver is done with the buffer
         self.sent_bytes += buffer.numel() * buffer.element_size()
+
+    def _layout(self, position: int, bucket: FlatBucket) -> tuple[tuple, bool]:
+        """The bucket's layout (dtype, entries) and whether the receivers hold another one for its position."""
+        layout = (str(bucket.dtype).replace("torch.", ""), tuple(bucket.entries))
+        return layout, position >= len(self._layouts) or self._layouts[position] != layout
+
+    def _announce(self, kind: int, value: int, position: int, layout: tuple, new: bool) -> None:
+        """A bucket's control message, then its layout where it is new to the receivers (once per model)."""
+        self._control(kind, value, new)
+        if new:
+            self.group.broadcast_object(layout)
+            self._layouts[position : position + 1] = [layout]
 
     def _place(self, buffer: torch.Tensor) -> Optional[torch.Tensor]:
         """The message naming `buffer` in its file-descriptor shared memory; None where it lives elsewhere."""
