@@ -25,14 +25,10 @@ Owns: `save()`, every megarl save's call of `dist_checkpointing.save`; `save_str
   A rank's 475 MiB (fp32, 2 files) saved in 0.40 s instead of 0.85 s (median of 4, alternating, one
   process, this 2-core VM: `/work/scratch/s36/save_ab.py`). Installed only on the megatron-core versions
   whose writer was read (`CHECKED_MCORE_VERSIONS`); on others megatron-core's own writer runs.
-* **A file is written behind: what is on disk leaves the page cache.** Each writer thread writes
-  through a `WriteBehindFile`: every `MEGARL_WRITE_BEHIND_MIB` (16) MiB it waits for the bytes to reach
-  the disk and drops them from the page cache, so a save fills the cache with at most that much per file
-  instead of the whole checkpoint (DeepSpeed's FastPersist writes checkpoints with O_DIRECT for the same
-  reason). On this VM it is also the difference between fast and slow writes: the guest hands free
-  pages back to its host (virtio-balloon free page reporting), and a page cache page that was not freed
-  in the last seconds costs ~3 µs to touch — 1.2–1.5 s of system time per 475 MiB, against 0.15 s into
-  pages just freed. Written behind, a file keeps reusing its own freed pages. 0 turns it off.
+* **A file is written behind: what is on disk leaves the page cache** (`megarl.utils.write_behind`).
+  Each writer thread writes through a `WriteBehindFile`, which syncs and drops every 16 MiB it wrote: a
+  save fills the cache with at most that much per file, and on this VM keeps reusing its own freed pages
+  (fresh pages cost ~3 µs each to touch: 1.2–1.5 s of system time per 475 MiB, against 0.15 s).
 * **No CRC32 per zip record** (`_no_zip_checksums`), which torch.load never checks.
 
 With the last two, `benchmarks/convert_throughput.py`'s TP1 save took 0.72–0.74 s against 1.08–1.26 s
@@ -42,17 +38,14 @@ With the last two, `benchmarks/convert_throughput.py`'s TP1 save took 0.72–0.7
 from __future__ import annotations
 
 import contextlib
-import io
-import os
 import queue
 import threading
-from typing import Optional
 
 import torch
 
+from megarl.utils.write_behind import WriteBehindFile
+
 CHECKED_MCORE_VERSIONS = ("0.19.2",)
-WRITE_BEHIND_BYTES = int(os.environ.get("MEGARL_WRITE_BEHIND_MIB", "16")) << 20
-"""Bytes a writer leaves in the page cache before it syncs and drops them; 0: the page cache keeps all."""
 WRITER_THREADS = 2
 """Files (and threads) per rank and save: 2 halves a save against 1 here; 3 gained 12% more on 2 cores."""
 
@@ -107,31 +100,6 @@ def save_strategy(thread_count: int = WRITER_THREADS):
         filesystem_async._results_queue = queue.Queue()
     _install_parallel_writers(filesystem_async.FileSystemWriterAsync)
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
-
-
-class WriteBehindFile(io.BufferedWriter):
-    """A new file whose bytes leave the page cache once they are on disk: every `chunk` bytes written are
-    synced (fdatasync) and dropped (POSIX_FADV_DONTNEED). `sync()` makes the whole file durable."""
-
-    def __init__(self, path, chunk: Optional[int] = None):
-        super().__init__(io.FileIO(path, "wb"), buffer_size=1 << 20)
-        chunk = WRITE_BEHIND_BYTES if chunk is None else chunk
-        self._chunk = chunk if hasattr(os, "posix_fadvise") else 0
-        self._dropped = 0  # bytes before this offset are on disk and out of the page cache
-
-    def write(self, data) -> int:
-        written = super().write(data)
-        if self._chunk and self.tell() - self._dropped >= self._chunk:
-            self.flush()
-            end = self.tell()
-            os.fdatasync(self.fileno())  # dirty pages cannot be dropped
-            os.posix_fadvise(self.fileno(), self._dropped, end - self._dropped, os.POSIX_FADV_DONTNEED)
-            self._dropped = end
-        return written
-
-    def sync(self) -> None:
-        self.flush()
-        os.fsync(self.fileno())
 
 
 def _write_file(transform_list, index: int, bucket) -> tuple:

