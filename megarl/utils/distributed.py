@@ -36,6 +36,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.multiprocessing as mp
 
+from megarl.utils import rank_server
 from megarl.utils.errors import RankError
 
 # Seconds the parent waits for the other ranks once one rank has failed (they are usually stuck
@@ -93,23 +94,6 @@ def init_process_group_from_env() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
-# Imported once by the forkserver so that ranks start without paying for them (megatron.core
-# only where installed; the forkserver skips modules it cannot import). transformers' AutoConfig:
-# every rank that builds a model reads its config.json with it (1.4 s of imports per rank otherwise).
-_FORKSERVER_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megarl",  # before megatron.core: its import then defers torch.compile (megarl.utils.lazy_compile)
-    "megatron_patches",
-    "megatron.core",
-    "megatron.core.models.gpt",
-    "transformers.models.auto.configuration_auto",
-    # what every model's configuration module imports (activations → flash_attention → generation →
-    # torch._dynamo): 0.5 s a rank otherwise, once megatron.core no longer imports torch's compiler
-    "transformers.utils.type_validators",
-]
 
 
 def _dumps(value: Any) -> bytes:
@@ -211,7 +195,7 @@ def run_distributed(
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # Effective only before the server starts (the first forkserver call of this process).
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        ctx.set_forkserver_preload(rank_server.PRELOAD)
     results = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
