@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-PRELOAD = [
+PRELOAD = [  # a module that is not installed (megatron.core on a machine without it) is skipped by the server
     "torch",
     "torch.distributed",
     "megarl",  # before megatron.core: its import then defers torch.compile (megarl.utils.lazy_compile)
@@ -21,7 +21,7 @@ PRELOAD = [
     "megatron.core",
     "megatron.core.models.gpt",
     # every rank that builds a model reads its config.json with transformers' AutoConfig (1.4 s of imports
-    # per rank otherwise); megatron.core only where installed (the server skips modules it cannot import)
+    # per rank otherwise)
     "transformers.models.auto.configuration_auto",
     # what every model's configuration module imports (activations → flash_attention → generation →
     # torch._dynamo): 0.5 s a rank otherwise, once megatron.core no longer imports torch's compiler
