@@ -12,7 +12,8 @@ failed) are killed.
 
 `fn` must be importable by name in a fresh process: define it at module top level, not as a
 lambda or closure. With forkserver, env variables a module reads at import time are those of the
-first call (the server preloads torch and megatron.core once); use start_method="spawn" otherwise.
+first call, or of `rank_server.start_early` where a command started the server before it (the server
+preloads `rank_server.PRELOAD` once); use start_method="spawn" otherwise.
 With CUDA the default is "spawn": a process forked from one that has asked CUDA anything cannot use it
 ("Cannot re-initialize CUDA in forked subprocess"), and importing megatron.core in the forkserver asks
 (`torch.cuda.is_available()` in its dist_checkpointing, which poisons fork; seen on an H200: every
