@@ -1,4 +1,4 @@
-"""megatron-core imported without paying for torch's compiler up front.
+"""megatron-core and transformers' model configs imported without paying for torch's compiler up front.
 
 megatron-core decorates its fused element-wise functions with `torch.compile` as it is imported
 (`megatron.core.jit.jit_fuser`). The first `torch.compile(fn)` of a process imports torch's inductor
@@ -14,12 +14,23 @@ nothing compiles later than before; only the compiler's import moves to the firs
 any: megarl's CPU runs make none). Modules (`torch.compile(module)`) and every call outside megatron's
 import get the real torch.compile. A process that imported megatron.core before megarl keeps the
 normal import.
+
+transformers' model configuration modules (`configuration_llama` and the rest) import, through
+`type_validators` → `activations` → `flash_attention`, its continuous-batching cache, which decorates a
+method with `torch.compiler.disable` as its class is defined; that decorator imports torch._dynamo (and
+inductor's config with it): 0.55 of the 0.85–1.0 s a first `AutoConfig.from_pretrained` took in a process
+that had imported torch and megatron-core here. Every conversion (the command and its rank server), the
+trainer's driver and each model worker load a config. `install()` also hooks that cache module's first
+import: inside it `torch.compiler.disable(fn)` returns `deferred_disable`'s wrapper, which disables `fn`
+(importing torch._dynamo) at its first call and calls the disabled function from then on. Where
+torch._dynamo is already imported the real decorator runs at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 
 from megarl.utils.first_import import FirstImportHook
@@ -71,10 +82,57 @@ def _deferred_import(execute, module) -> None:
         execute(module)
 
 
+def deferred_disable(real_disable):
+    """A stand-in for `torch.compiler.disable(fn=None, recursive=True, *, reason=None)` that disables `fn`
+    at its first call."""
+
+    def disable_later(fn=None, recursive=True, *, reason=None):
+        if fn is None:  # used as @torch.compiler.disable(recursive=...)
+            return lambda f: disable_later(f, recursive, reason=reason)
+        if "torch._dynamo" in sys.modules:
+            return real_disable(fn, recursive, reason=reason)
+        disabled = []
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def first_call_disables(*args, **kwargs):
+            if not disabled:
+                with lock:
+                    if not disabled:
+                        disabled.append(real_disable(fn, recursive, reason=reason))
+            return disabled[0](*args, **kwargs)
+
+        return first_call_disables
+
+    return disable_later
+
+
+@contextlib.contextmanager
+def disable_deferred():
+    """Within: `torch.compiler.disable(fn)` defers the disabling (and torch._dynamo's import) to `fn`'s first call."""
+    import torch.compiler
+
+    real = torch.compiler.disable
+    torch.compiler.disable = deferred_disable(real)
+    try:
+        yield
+    finally:
+        torch.compiler.disable = real
+
+
+def _disable_deferred_import(execute, module) -> None:
+    with disable_deferred():
+        execute(module)
+
+
+TRANSFORMERS_TARGET = "transformers.generation.continuous_batching.cache"
 _hook = FirstImportHook(TARGET, _deferred_import)
+_transformers_hook = FirstImportHook(TRANSFORMERS_TARGET, _disable_deferred_import)
 
 
 def install() -> None:
-    """Defer torch.compile during this process's first import of megatron.core (idempotent; nothing
-    if megatron.core is already imported)."""
+    """Defer torch.compile during this process's first import of megatron.core, and torch.compiler.disable
+    during that of transformers' continuous-batching cache (idempotent; nothing for a module already
+    imported)."""
     _hook.install()
+    _transformers_hook.install()

@@ -1,13 +1,15 @@
 """`megarl.utils.lazy_compile`: megatron-core's import defers torch.compile of its fused functions to
-their first call, and leaves torch.compile as it was."""
+their first call, transformers' config imports defer `torch.compiler.disable` (and torch._dynamo's import) to
+the decorated method's first call, and both leave torch as it was."""
 
+import json
 import subprocess
 import sys
 import textwrap
 
 import torch
 
-from megarl.utils.lazy_compile import compile_deferred, deferred_compile
+from megarl.utils.lazy_compile import compile_deferred, deferred_compile, deferred_disable
 
 
 def test_a_deferred_function_compiles_once_at_its_first_call_with_the_same_options():
@@ -58,3 +60,50 @@ def test_importing_megatron_core_after_megarl_imports_no_compiler_and_keeps_torc
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:4] == ["True", "False", "True geglu", "False"]
+
+
+def test_a_deferred_disable_disables_once_at_the_first_call_with_the_same_arguments():
+    disabled = []
+
+    def fake_disable(fn, recursive, *, reason=None):
+        disabled.append((fn.__name__, recursive, reason))
+        return lambda *args, **kwargs: ("disabled", fn(*args, **kwargs))
+
+    disable_later = deferred_disable(fake_disable)
+
+    @disable_later(recursive=False, reason="views")
+    def add(x, y=1):
+        return x + y
+
+    class Cache:  # a method, as transformers decorates one
+        @disable_later
+        def grow(self, n):
+            return n * 2
+
+    if "torch._dynamo" in sys.modules:  # this test process imported torch's compiler already: decorated at once
+        assert [name for name, *_ in disabled] == ["add", "grow"]
+    else:
+        assert disabled == [] and add.__name__ == "add" and add.__wrapped__(3) == 4
+    assert add(3, y=2) == ("disabled", 5) and add(4) == ("disabled", 5)
+    assert Cache().grow(4) == ("disabled", 8) and Cache().grow(5) == ("disabled", 10)
+    assert disabled == [("add", False, "views"), ("grow", True, None)]
+
+
+def test_a_config_loads_without_importing_torch_dynamo_and_torch_compiler_disable_is_restored(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 128}))
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        real = torch.compiler.disable
+        import megarl
+        from megarl.models.hf_config import load_hf_config
+        cfg = load_hf_config({str(tmp_path)!r})
+        print(torch.compiler.disable is real, "torch._dynamo" in sys.modules, cfg.model_type)
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        update = PagedAttentionCache.update  # decorated with torch.compiler.disable: disabled at its first call
+        print(hasattr(update, "__wrapped__"), "torch._dynamo" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["True False llama", "True False"]
