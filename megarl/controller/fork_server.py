@@ -21,12 +21,14 @@ does. A launcher that cannot reach the server execs the plain Python worker inst
 
 What a child starts with that a fresh worker would not: modules imported under the server's environment
 (the driver's, plus megarl's worker variables), so a variable a module reads at import comes from there;
-numpy's global random state is reseeded in each child. The server starts no thread before it forks.
+numpy's global random state is reseeded in each child; the objects it inherits are frozen (`gc.freeze`: its
+garbage collections skip them). The server starts no thread before it forks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import pickle
@@ -346,6 +348,9 @@ def main(argv: list[str]) -> None:
         return
     if os.environ.get("MEGARL_FORK_SERVER_DEBUG") == "1":
         print(f"[megarl] fork server: preloaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    # the children inherit the preloaded objects frozen: their collections skip them instead of copying every
+    # page that holds one (as in `megarl.utils.distributed`'s ranks)
+    gc.freeze()
     child = server.serve()
     if child is not None:
         _become_worker(*child)

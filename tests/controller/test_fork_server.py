@@ -24,10 +24,12 @@ PRELOADED = "tabnanny"  # a module neither Ray's worker nor the probe imports it
 def _probe_class(preloaded: str = PRELOADED):
     class Probe:  # defined here: Ray ships it by value (the test module is not importable in a worker)
         def info(self) -> dict:
+            import gc
             import os
             import sys
 
             return {
+                "frozen": gc.get_freeze_count(),
                 "pid": os.getpid(),
                 "ppid": os.getppid(),
                 "pgid": os.getpgid(0),
@@ -65,6 +67,7 @@ def test_a_worker_is_forked_from_the_server_with_its_preload_and_its_own_environ
     try:
         actor, info = _probe(server.py_executable)
         assert info["ppid"] == server.proc.pid and info["preloaded"] and info["env"] == "1"
+        assert info["frozen"] > 0  # the preloaded objects stay out of the worker's garbage collections
         assert info["pgid"] == info["pid"]  # a group of its own, like any Ray worker
         ray.kill(actor)
         assert _gone(info["pid"])

@@ -1,5 +1,6 @@
 """`megarl convert` starts the server its ranks are forked from before it imports torch
-(`megarl.utils.rank_server.start_early`), and the ranks come from that server."""
+(`megarl.utils.rank_server.start_early`), and the ranks come from that server, with what they inherit from it
+frozen (out of their garbage collections)."""
 
 import subprocess
 import sys
@@ -24,6 +25,8 @@ def test_the_early_server_is_started_without_torch_and_forks_the_ranks():
         from megarl.utils.distributed import run_distributed
         parents = run_distributed(os.getppid, 2)
         assert parents == [server, server], (parents, server)
+        import gc  # what a rank inherits from the server stays out of its garbage collections
+        assert min(run_distributed(gc.get_freeze_count, 2)) > 100_000
         print("ok")
         """
     )
