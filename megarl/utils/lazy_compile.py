@@ -38,6 +38,23 @@ from megarl.utils.first_import import FirstImportHook
 TARGET = "megatron.core"
 
 
+def _built_at_first_call(fn, build):
+    """A wrapper of `fn` that calls `build()` at its first call (once, whatever the threads) and from then on
+    the function `build()` returned."""
+    built = []
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def first_call_builds(*args, **kwargs):
+        if not built:
+            with lock:
+                if not built:
+                    built.append(build())
+        return built[0](*args, **kwargs)
+
+    return first_call_builds
+
+
 def deferred_compile(real_compile):
     """A stand-in for `torch.compile` that compiles a function at its first call (same arguments)."""
 
@@ -48,38 +65,9 @@ def deferred_compile(real_compile):
 
         if isinstance(model, torch.nn.Module) or not callable(model):
             return real_compile(model, **options)
-        compiled = []
-        lock = threading.Lock()
-
-        @functools.wraps(model)
-        def first_call_compiles(*args, **kwargs):
-            if not compiled:
-                with lock:
-                    if not compiled:
-                        compiled.append(real_compile(model, **options))
-            return compiled[0](*args, **kwargs)
-
-        return first_call_compiles
+        return _built_at_first_call(model, lambda: real_compile(model, **options))
 
     return compile_later
-
-
-@contextlib.contextmanager
-def compile_deferred():
-    """Within: `torch.compile` of a function defers the compile to the function's first call."""
-    import torch
-
-    real = torch.compile
-    torch.compile = deferred_compile(real)
-    try:
-        yield
-    finally:
-        torch.compile = real
-
-
-def _deferred_import(execute, module) -> None:
-    with compile_deferred():
-        execute(module)
 
 
 def deferred_disable(real_disable):
@@ -91,33 +79,39 @@ def deferred_disable(real_disable):
             return lambda f: disable_later(f, recursive, reason=reason)
         if "torch._dynamo" in sys.modules:
             return real_disable(fn, recursive, reason=reason)
-        disabled = []
-        lock = threading.Lock()
-
-        @functools.wraps(fn)
-        def first_call_disables(*args, **kwargs):
-            if not disabled:
-                with lock:
-                    if not disabled:
-                        disabled.append(real_disable(fn, recursive, reason=reason))
-            return disabled[0](*args, **kwargs)
-
-        return first_call_disables
+        return _built_at_first_call(fn, lambda: real_disable(fn, recursive, reason=reason))
 
     return disable_later
 
 
 @contextlib.contextmanager
+def _replaced(owner, name: str, stand_in):
+    """Within: `owner.name` is `stand_in(the real one)`; restored after."""
+    real = getattr(owner, name)
+    setattr(owner, name, stand_in(real))
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def compile_deferred():
+    """Within: `torch.compile` of a function defers the compile to the function's first call."""
+    import torch
+
+    return _replaced(torch, "compile", deferred_compile)
+
+
 def disable_deferred():
     """Within: `torch.compiler.disable(fn)` defers the disabling (and torch._dynamo's import) to `fn`'s first call."""
     import torch.compiler
 
-    real = torch.compiler.disable
-    torch.compiler.disable = deferred_disable(real)
-    try:
-        yield
-    finally:
-        torch.compiler.disable = real
+    return _replaced(torch.compiler, "disable", deferred_disable)
+
+
+def _deferred_import(execute, module) -> None:
+    with compile_deferred():
+        execute(module)
 
 
 def _disable_deferred_import(execute, module) -> None:
