@@ -137,9 +137,21 @@ def _is_rank0() -> bool:
 
 
 def _run_convert(args) -> int:
+    return _in_rank_server(_convert, args)
+
+
+def _in_rank_server(work, args) -> int:
+    """`work(args)` (an exit code). The rank server starts first (`megarl.utils.rank_server`); as the `megarl`
+    command the work then runs in a child of it, and this process imports no torch; called in-process
+    (`main(argv)`: tools, tests reading its output) it runs here, beside the server's imports."""
     from megarl.utils import rank_server
 
-    rank_server.start_early()  # its imports overlap this process's (megarl.utils.rank_server)
+    if rank_server.start_early() and getattr(args, "as_command", False):
+        return rank_server.run_in_server(_run, work, args)
+    return work(args)
+
+
+def _convert(args) -> int:
     from megarl.models import convert
 
     if args.direction == "hf-to-mcore":
@@ -156,9 +168,10 @@ def _run_convert(args) -> int:
 
 
 def _run_parity(args) -> int:
-    from megarl.utils import rank_server
+    return _in_rank_server(_parity, args)
 
-    rank_server.start_early()
+
+def _parity(args) -> int:
     from megarl.models.parity import check_parity
 
     result = check_parity(args.hf_path, _layout(args), batch=args.batch, seq=args.seq_len, atol=args.atol)
@@ -285,8 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, as_command: bool = False) -> int:
+    """Run a megarl command in this process; `as_command` (the `megarl` command itself, `run`): `convert` and
+    `check-parity` do their work in a child of the rank server (`_in_rank_server`)."""
     args = parse_args(argv)
+    args.as_command = as_command
     handlers = {
         "train": _run_train,
         "convert": _run_convert,
@@ -329,7 +345,7 @@ def run() -> None:
     closed by then (checkpoints and exports are synchronous and synced; the metrics writers close at the end
     of `fit`). Other commands, and `main` called in-process, exit as usual.
     """
-    code = main()
+    code = main(as_command=True)
     if sys.argv[1:2] in (["train"], ["convert"], ["check-parity"]):
         import atexit
 

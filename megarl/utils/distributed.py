@@ -1,7 +1,8 @@
 """Run a function on N local ranks: `run_distributed(fn, world_size, *args)`, and torchrun helpers.
 
 Used by the SPMD tools (conversion, parity) when started as a single process, and by the tests.
-Each rank is a fresh process (start method "forkserver" by default on CPU, "spawn" with CUDA) with
+Each rank is a fresh process (start method "forkserver" by default on CPU, "spawn" with CUDA; "fork" in a
+child of the rank server, `rank_server.run_in_server`, which has the server's imports and no thread) with
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK set, the process group
 initialised (gloo on CPU, NCCL on GPU), `torch.set_num_threads(num_threads)` when given and
 `megatron_patches.apply_cpu_patches()` applied (a no-op with CUDA). `fn(*args, **kwargs)` runs on
@@ -192,13 +193,16 @@ def run_distributed(
 ) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks (gloo, or NCCL with CUDA); return the per-rank results.
 
-    `start_method` None: "spawn" where CUDA is available, else "forkserver" (module docstring).
+    `start_method` None: "spawn" where CUDA is available, else "fork" in a rank server's child, else
+    "forkserver" (module docstring).
 
     Raises RankError (the failing rank, with its traceback) if a rank raises or dies
     without reporting (exc_type "ProcessDied"), TimeoutError after `timeout` seconds (None: no limit).
     """
     if start_method is None:
-        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+        start_method = (
+            "spawn" if torch.cuda.is_available() else "fork" if rank_server.in_server_child() else "forkserver"
+        )
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # Effective only before the server starts (the first forkserver call of this process).

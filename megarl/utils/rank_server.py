@@ -1,12 +1,16 @@
 """The server local ranks are forked from (multiprocessing's forkserver), started before the caller imports torch.
 
 Owns: `PRELOAD`, what that server imports once so that each rank it forks starts without paying for it
-(`megarl.utils.distributed.run_distributed`), and `start_early()`, which starts it at once. Imports no
-torch: `megarl convert` and `megarl check-parity` call `start_early` first, so the server's imports
-(torch, megatron-core, transformers' configs: ~3 s of CPU here) run while the command imports torch and
-checks its input (another ~3 s) instead of after. Started late, by the first `run_distributed`, the two
-came one after the other: `megarl convert hf-to-mcore` of a 475 MiB model, 7.2–8.0 s, of which 3.9 s from
-the launch of the ranks to their end.
+(`megarl.utils.distributed.run_distributed`); `start_early()`, which starts it at once; and
+`run_in_server(fn, *args)`, which runs a command's work in one child of it. `megarl convert` and `megarl
+check-parity` call `start_early` first thing, then hand their whole work (input checks, the ranks, the
+report) to `run_in_server`: the command's own process imports no torch, megatron-core or transformers, and
+the child, which has them all, checks the input in ~0.1 s and forks the ranks itself (`in_server_child`:
+`run_distributed` then forks instead of asking a server). Started late, by the first `run_distributed`, the
+server's imports (~3 s of CPU here) came after the command's own (torch, transformers' config machinery:
+another ~2.5 s): `megarl convert hf-to-mcore` of a 475 MiB model, 7.2–8.0 s, of which 3.9 s from the launch
+of the ranks to their end. Side by side, the two imports shared the two cores: 3.8–4.2 s. With the
+command's process idle: CHILD_FIGURES.
 """
 
 from __future__ import annotations
@@ -45,3 +49,44 @@ def start_early() -> bool:
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     return True
+
+
+_in_server_child = False
+
+
+def in_server_child() -> bool:
+    """Whether this process runs `run_in_server`'s function (it has the server's imports and no thread yet)."""
+    return _in_server_child
+
+
+def run_in_server(fn, *args):
+    """`fn(*args)` in one child of the server `start_early` started; returns what it returned (picklable).
+
+    `fn` is found by name in the child (a module-level function). The child shares this process's stdout and
+    stderr (the server's, inherited at `start_early`). An exception in `fn` is printed there by the child, and
+    raised here as a RuntimeError naming its exit code; `megarl.cli` passes functions that return an exit code
+    instead of raising."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_call, args=(fn, args, send), name="megarl-command", daemon=False)
+    child.start()
+    send.close()
+    try:
+        value = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(
+            f"the command's process (a child of the rank server) ended with exit code {child.exitcode}"
+        ) from None
+    finally:
+        receive.close()
+    child.join()
+    return value
+
+
+def _call(fn, args, send) -> None:
+    global _in_server_child
+    _in_server_child = True
+    send.send(fn(*args))
