@@ -5,12 +5,12 @@ Owns: `PRELOAD`, what that server imports once so that each rank it forks starts
 `run_in_server(fn, *args)`, which runs a command's work in one child of it. `megarl convert` and `megarl
 check-parity` call `start_early` first thing, then hand their whole work (input checks, the ranks, the
 report) to `run_in_server`: the command's own process imports no torch, megatron-core or transformers, and
-the child, which has them all, checks the input in ~0.1 s and forks the ranks itself (`in_server_child`:
-`run_distributed` then forks instead of asking a server). Started late, by the first `run_distributed`, the
-server's imports (~3 s of CPU here) came after the command's own (torch, transformers' config machinery:
-another ~2.5 s): `megarl convert hf-to-mcore` of a 475 MiB model, 7.2–8.0 s, of which 3.9 s from the launch
-of the ranks to their end. Side by side, the two imports shared the two cores: 3.8–4.2 s. With the
-command's process idle: CHILD_FIGURES.
+the child, which has them all, checks the input in ~0.01 s and forks the ranks itself (`in_server_child`:
+`run_distributed` then forks instead of asking a server). `megarl convert hf-to-mcore` of a 475 MiB model:
+7.2–8.0 s with the server started by the first `run_distributed`, after the command's own imports and checks
+(torch, transformers' config machinery: ~2.5 s of CPU) — 3.9 s of it from the launch of the ranks to their
+end; 4.0–4.2 s with the server started first and both imports side by side on the two cores; 3.5–3.9 s with
+the command's process idle (4 pairs against the form before, alternating).
 """
 
 from __future__ import annotations

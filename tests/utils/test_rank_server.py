@@ -1,6 +1,7 @@
 """`megarl convert` starts the server its ranks are forked from before it imports torch
-(`megarl.utils.rank_server.start_early`), and the ranks come from that server, with what they inherit from it
-frozen (out of their garbage collections)."""
+(`megarl.utils.rank_server.start_early`) and runs its work in a child of that server (`run_in_server`), whose
+ranks fork from it, with what they inherit frozen (out of their garbage collections); the command's own
+process imports no torch."""
 
 import subprocess
 import sys
@@ -31,6 +32,39 @@ def test_the_early_server_is_started_without_torch_and_forks_the_ranks():
         """
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_a_command_runs_in_a_child_of_the_server_that_forks_its_ranks_while_it_imports_no_torch(tmp_path):
+    script = tmp_path / "command.py"  # a file, not -c: the child finds `work` in it by name
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            from megarl.utils import rank_server
+
+            def work():
+                from megarl.utils.distributed import run_distributed
+                return os.getpid(), os.getppid(), rank_server.in_server_child(), run_distributed(os.getppid, 2)
+
+            if __name__ == "__main__":
+                from multiprocessing import forkserver
+                assert rank_server.start_early() and not rank_server.in_server_child()
+                child, parent, flagged, rank_parents = rank_server.run_in_server(work)
+                server = forkserver._forkserver._forkserver_pid
+                assert parent == server and flagged and rank_parents == [child, child], (parent, server, rank_parents)
+                assert "torch" not in sys.modules, "the command's process imported torch"
+                try:
+                    rank_server.run_in_server(sys.exit, 3)
+                except RuntimeError as err:
+                    assert "exit code 3" in str(err), err
+                else:
+                    raise AssertionError("a child that died returned")
+                print("ok")
+            """
+        )
+    )
+    run = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
