@@ -55,7 +55,9 @@ _in_server_child = False
 
 
 def in_server_child() -> bool:
-    """Whether this process runs `run_in_server`'s function (it has the server's imports and no thread yet)."""
+    """Whether this process runs `run_in_server`'s function. It starts with the server's imports and no thread, and
+    `run_distributed` forks the ranks from it: a function that needs ranks starts them before any threaded torch
+    work of its own (the conversion and parity commands check their input, then launch them)."""
     return _in_server_child
 
 
