@@ -226,6 +226,9 @@ def run_distributed(
         values = _collect(procs, results, world_size, timeout)
         finished = True
         return values
+    except KeyboardInterrupt:  # Ctrl-C reached the ranks too: they remove what they staged before they go
+        finished = True  # (killed at once, a rank left its conversion's staging directory behind)
+        raise
     finally:
         _stop(procs, grace=2.0 if finished else 0.0)
         results.close()

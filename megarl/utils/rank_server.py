@@ -91,4 +91,8 @@ def run_in_server(fn, *args):
 def _call(fn, args, send) -> None:
     global _in_server_child
     _in_server_child = True
-    send.send(fn(*args))
+    value = fn(*args)
+    try:
+        send.send(value)
+    except BrokenPipeError:  # the command's process is gone (Ctrl-C reached both): nobody to tell
+        pass
