@@ -146,7 +146,7 @@ def _in_rank_server(work, args) -> int:
     (`main(argv)`: tools, tests reading its output) it runs here, beside the server's imports."""
     from megarl.utils import rank_server
 
-    if rank_server.start_early() and getattr(args, "as_command", False):
+    if rank_server.start_early() and args.as_command:
         return rank_server.run_in_server(_run, work, args)
     return work(args)
 

@@ -44,19 +44,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
+from megarl.utils import rank_server
+
 LAUNCHER = Path(__file__).with_name("fork_launch.py")
 
-# Imported by every worker of a run, in this order: `megarl` first, so megatron-core's import defers
-# torch.compile (`megarl.utils.lazy_compile`); transformers' config machinery (the bridge reads config.json).
+# Imported by every worker of a run, in this order: what every local rank imports (`rank_server.PRELOAD`:
+# torch, `megarl` before megatron-core so its import defers torch.compile, transformers' config machinery),
+# then megarl's workers and config.
 BASE_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megarl",
-    "megatron_patches",
-    "megatron.core",
-    "megatron.core.models.gpt",
-    "transformers.models.auto.configuration_auto",
-    "transformers.utils.type_validators",
+    *rank_server.PRELOAD,
     "megarl.workers",
     "megarl.config",  # unpickling the run's config imports it (0.3 s)
 ]

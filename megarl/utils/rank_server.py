@@ -27,8 +27,8 @@ PRELOAD = [  # a module that is not installed (megatron.core on a machine withou
     # every rank that builds a model reads its config.json with transformers' AutoConfig (1.4 s of imports
     # per rank otherwise)
     "transformers.models.auto.configuration_auto",
-    # what every model's configuration module imports (activations → flash_attention → generation →
-    # torch._dynamo): 0.5 s a rank otherwise, once megatron.core no longer imports torch's compiler
+    # what every model's configuration module imports (activations → flash_attention → generation; its
+    # torch._dynamo import is deferred, megarl.utils.lazy_compile)
     "transformers.utils.type_validators",
 ]
 
