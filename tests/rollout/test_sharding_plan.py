@@ -83,6 +83,30 @@ def test_buckets_respect_the_size_bound(bucket_bytes):
     assert sum(b.nbytes for b in plan.buckets) == plan.total_bytes
 
 
+@pytest.mark.parametrize("pp,bucket_bytes", [(2, 40_000), (2, 1 << 30), (4, 20_000), (1, 40_000)])
+def test_transfer_order_small_buckets_first_then_sources_take_turns_by_bytes(pp, bucket_bytes):
+    """The rollout rank's consumer takes one bucket while the next one's ranks write it: the small buckets (under
+    an eighth of the bound: norms) go first, then each large bucket comes from the source with the fewest
+    bytes planned so far (consecutive large buckets from different stages, never a small one between), and
+    every stage's buckets keep their own order."""
+    wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 2, pp)
+    plan = plan_sync(metas, wmap, tp_size=2, pp_size=pp, bucket_bytes=bucket_bytes)
+    small = [b.nbytes < bucket_bytes // 8 for b in plan.buckets]
+    assert small == sorted(small, reverse=True)  # every small bucket before every large one
+    large = [b for b in plan.buckets if b.nbytes >= bucket_bytes // 8]
+    planned = dict.fromkeys(range(pp), 0)
+    for i, bucket in enumerate(large):
+        left = {b.source[0] for b in large[i:]}  # stages with large buckets still to come
+        assert planned[bucket.source[0]] == min(planned[s] for s in left)
+        planned[bucket.source[0]] += bucket.nbytes
+    if pp > 1 and bucket_bytes == 40_000:  # the first two large buckets: two stages' ranks write at once
+        assert len(large) > pp and large[0].source != large[1].source
+    for stage in range(pp):  # a stage's buckets in HF order within each size class
+        for group in ([b for b in plan.buckets if small[b.index] == s] for s in (True, False)):
+            firsts = [wmap.hf_names().index(b.hf[0].name) for b in group if b.source[0] == stage]
+            assert firsts == sorted(firsts)
+
+
 @pytest.mark.parametrize(
     "arch,tp,pp,vpp", [("qwen2", 2, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 1), ("qwen3", 1, 1, 1)]
 )

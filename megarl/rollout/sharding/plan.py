@@ -9,7 +9,7 @@ the local TP shard; all TP ranks of a stage hold the same shapes), plus the TP (
 the model's `WeightMap`. With expert parallelism (MoE), a *source* is one (pipeline stage, EP
 rank): EP rank 0 reports every parameter, the other EP ranks only their routed experts' weights
 (`Mapping.expert`), which the weight map numbers globally from the meta's `ep_rank`. Output: a `SyncPlan`, a list of `Bucket`s in transfer order (HF order within
-a stage, sources taking turns so they ship concurrently). A bucket holds the
+a source, the sources' buckets merged by bytes so that they ship concurrently: `_transfer_order`). A bucket holds the
 parameters of one source (stage, EP rank), one dtype, and one kind:
 
 * sharded buckets: every TP rank packs its shards into one flat buffer and the rollout rank
@@ -181,7 +181,7 @@ class Bucket:
 
 @dataclass
 class SyncPlan:
-    """Buckets in transfer order (round robin over stages) covering every HF tensor exactly once."""
+    """Buckets in transfer order (`_transfer_order`) covering every HF tensor exactly once."""
 
     buckets: list[Bucket]
     tp_size: int
@@ -226,12 +226,32 @@ def plan_sync(
         _pack_stage([p for p in planned if (p.meta.pp_rank, p.meta.ep_rank) == source], source, tp_size, bucket_bytes)
         for source in sources
     ]
-    # Transfer order: round robin over sources, so every stage (and EP rank) packs and sends while
-    # the rollout rank unpacks another one's bucket.
-    rounds = max((len(s) for s in per_source), default=0)
-    ordered = [stage[i] for i in range(rounds) for stage in per_source if i < len(stage)]
-    buckets = [dataclasses.replace(b, index=i) for i, b in enumerate(ordered)]
+    buckets = [dataclasses.replace(b, index=i) for i, b in enumerate(_transfer_order(per_source, bucket_bytes))]
     return SyncPlan(buckets, tp_size, pp_size, bucket_bytes)
+
+
+def _transfer_order(per_source: list[list[Bucket]], bucket_bytes: int) -> list[Bucket]:
+    """Every source's buckets (each list in its own order): the small ones first (under an eighth of the bound:
+    a stage's bucket of norms), then the large ones merged by bytes, the next always from the source with the
+    fewest bytes planned so far. Consecutive large buckets then come from different sources, so one source's
+    ranks write the next bucket while the rollout rank's consumer takes the current one. (A plain round robin
+    made a 0.4 GB TP2×PP2 sync [stage 0's layers, stage 1's norms, stage 0's norms, stage 1's layers]: stage 1
+    began writing only once the broadcast receiver had copied stage 0's layers.) Any order is valid: a
+    parameter's HF tensors never span two buckets."""
+    small = bucket_bytes // 8
+    first = _merged_by_bytes([[b for b in buckets if b.nbytes < small] for buckets in per_source])
+    return first + _merged_by_bytes([[b for b in buckets if b.nbytes >= small] for buckets in per_source])
+
+
+def _merged_by_bytes(per_source: list[list[Bucket]]) -> list[Bucket]:
+    queues = [list(reversed(buckets)) for buckets in per_source]  # popped from the end
+    planned = [0] * len(queues)
+    ordered = []
+    while any(queues):
+        turn = min((i for i, q in enumerate(queues) if q), key=lambda i: planned[i])
+        ordered.append(queues[turn].pop())
+        planned[turn] += ordered[-1].nbytes
+    return ordered
 
 
 def _planned_params(
