@@ -34,6 +34,7 @@ import torch
 
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, make_completion
 from megarl.rollout.batcher import BatchScheduler, Pending
+from megarl.rollout.sharding import copysum
 from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import FlatBucket, PendingCheck
 from megarl.rollout.sharding.transport import KeptBuffers
@@ -107,7 +108,7 @@ class EmbeddedEngine(RolloutEngine):
         with torch.no_grad(), self._weights_lock:
             for name, tensor, check in items:
                 if check is None:
-                    self._params[name].copy_(tensor)
+                    copysum.copy_into(self._params[name], tensor)
                 else:
                     check.copy_into(self._params[name])
 

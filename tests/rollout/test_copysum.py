@@ -44,3 +44,30 @@ def test_without_a_compiler_or_when_turned_off_it_is_not_available(fresh_build, 
 def test_sizes_that_differ_are_refused(fresh_build):
     with pytest.raises(ValueError, match="16 bytes into, 8 from"):
         copysum.copy_sum(torch.empty(4), torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_copy_into_equals_torch_copy_for_every_kind_of_pair(fresh_build, monkeypatch, native):
+    """`copy_into` (an engine's unchecked load) gives what `copy_` gives: by the native copy where the pair is
+    byte for byte (contiguous, one dtype and shape, whole aligned words), torch's copy for the rest
+    (a transposed source, another dtype, an odd byte count, a source off an 8-byte boundary, no helper)."""
+    if not native:
+        monkeypatch.setenv("MEGARL_NATIVE_COPY_SUM", "0")
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(4099, generator=generator)
+    sources = [
+        base[:4096].view(64, 64),  # native where available
+        base[:4096].view(64, 64).t(),  # not contiguous
+        base[1:4097].view(64, 64),  # 4 bytes off an 8-byte boundary
+        base[:7],  # 28 bytes: not whole words
+        base[:4096].to(torch.bfloat16),
+    ]
+    for src in sources:
+        for dtype in (src.dtype, torch.float64):
+            dst, want = torch.zeros(src.shape, dtype=dtype), torch.zeros(src.shape, dtype=dtype)
+            copysum.copy_into(dst, src)
+            assert torch.equal(dst, want.copy_(src)), (src.shape, src.dtype, dtype)
+    calls = []
+    monkeypatch.setattr(copysum, "copy_sum", lambda *args: calls.append(args))
+    copysum.copy_into(torch.empty(64, 64), sources[0])
+    assert len(calls) == (1 if native else 0)  # the byte-for-byte pair went the native way
