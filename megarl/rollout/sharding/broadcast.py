@@ -29,9 +29,9 @@ stays in step, and the sender raises `WeightUpdateError` with that engine's mess
 Same host (gloo, `BroadcastSender(shm=True)`, the default): at the first `check` every member all-gathers
 its `shm.host_id` and user id; where all are equal (engine servers on the trainer's machine, as NCCL would use shared
 memory or P2P there) no bucket byte crosses the group's TCP. Per bucket the sender broadcasts the control
-message, the layout (when new), the buffer's place in its shared memory (`shm.ShmPeers.place`: the sharding
+message, the layout (when new), then the buffer's place in its shared memory (`shm.ShmPeers.place`: the sharding
 manager gathers into shared memory for such a sender, `shares_buffers`; another buffer is copied into one
-staging buffer first) and its checksums; each receiver maps the buffer (once: kept from update to update) and
+staging buffer first) and its checksums in one message; each receiver maps the buffer (once: kept from update to update) and
 hands it to its engine as above (an in-process engine copies from the mapping into its model, checking as
 it copies; an engine that keeps its buckets or passes them to another process gets a copy of its own
 first). Every member then meets at a sync point (a one-element all-reduce) once its engine is done with the
@@ -198,12 +198,15 @@ class BroadcastSender:
             buffer = self._staging.take(buffer.numel(), buffer.dtype, "cpu").copy_(buffer)
             place = self._peers.place(buffer)
         self._announce(_SHARED, buffer.numel(), position, *self._layout(position, bucket))
-        sums = None  # taken before any receiver can read the buffer; the writers' hold for a staging copy too
-        if self.verify:
+        # the place and the checksums in one message (a receiver knows the bucket's entries by now): each
+        # collective is a wake-up of every member, which costs milliseconds while the ranks keep both cores busy
+        if self.verify:  # taken before any receiver can read the buffer; the writers' hold for a staging copy too
             sums = bucket.sums if bucket.sums is not None else checksums(FlatBucket(buffer, bucket.entries))
+            message = torch.empty(place.numel() + 8 * sums.numel(), dtype=torch.uint8)
+            message[: place.numel()] = place
+            message[place.numel() :].view(torch.int64).copy_(sums)
+            place = message
         self.group.broadcast(place)
-        if sums is not None:
-            self.group.broadcast(sums)
         self.group.sync_point()  # every receiver is done with the buffer
         self.sent_bytes += buffer.numel() * buffer.element_size()
 
@@ -377,12 +380,14 @@ class BroadcastReceiver:
         (acknowledged once the engine asks for the next bucket), or copied into one of this side's own for an
         engine that keeps or passes on its buckets (acknowledged at once)."""
         place, unmapped = ShmPeers.message(), None
-        self.group.broadcast(place)
+        message = torch.empty(place.numel() + (8 * len(entries) if verify else 0), dtype=torch.uint8)  # place, sums
+        self.group.broadcast(message)
+        place.copy_(message[: place.numel()])
+        expected = message[place.numel() :].view(torch.int64) if verify else None
         try:
             buffer = self._peers.open(place, numel, dtype)
         except OSError as err:  # another user's process, say: /proc/<pid>/fd is not ours to open
             unmapped = err
-        expected = self._checksums(len(entries), verify)
         if unmapped is not None:
             self.group.sync_point()
             raise WeightUpdateError(
