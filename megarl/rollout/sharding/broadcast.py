@@ -38,7 +38,9 @@ first). Every member then meets at a sync point (a one-element all-reduce) once 
 buffer (it asked for the next bucket, or took its copy), and only then does the sender return the bucket to
 the manager, which writes a later bucket into that memory. Delta updates are full ones there (nothing goes
 over a wire). On 2 cores the 0.4 GB broadcast sync of `benchmarks/weight_sync.py` went from 0.16–0.20× of a
-copy's bytes/s over TCP to 0.35–0.49× this way (6 runs): it is the sender's gather plus one copy into the engine.
+copy's bytes/s over TCP to 0.35–0.49× this way (6 runs), 0.51–0.56× once the plan's transfer order let the
+receiver copy one stage's bucket while the other stage's ranks write theirs (`plan._transfer_order`): it is the
+sender's gather plus one copy into the engine, overlapped in part.
 """
 
 from __future__ import annotations
