@@ -38,9 +38,8 @@ first). Every member then meets at a sync point (a one-element all-reduce) once 
 buffer (it asked for the next bucket, or took its copy), and only then does the sender return the bucket to
 the manager, which writes a later bucket into that memory. Delta updates are full ones there (nothing goes
 over a wire). On 2 cores the 0.4 GB broadcast sync of `benchmarks/weight_sync.py` went from 0.16–0.20× of a
-copy's bytes/s over TCP to 0.35–0.49× this way (6 runs), 0.51–0.56× once the plan's transfer order let the
-receiver copy one stage's bucket while the other stage's ranks write theirs (`plan._transfer_order`): it is the
-sender's gather plus one copy into the engine, overlapped in part.
+copy's bytes/s over TCP to 0.51–0.56× this way: the gather plus one copy into the engine, in part overlapped (the
+receiver copies one stage's bucket while the other stage's ranks write theirs, `plan._transfer_order`).
 """
 
 from __future__ import annotations
@@ -200,8 +199,7 @@ class BroadcastSender:
             buffer = self._staging.take(buffer.numel(), buffer.dtype, "cpu").copy_(buffer)
             place = self._peers.place(buffer)
         self._announce(_SHARED, buffer.numel(), position, *self._layout(position, bucket))
-        # the place and the checksums in one message (a receiver knows the bucket's entries by now): each
-        # collective is a wake-up of every member, which costs milliseconds while the ranks keep both cores busy
+        # place and checksums in one message (each collective wakes every member: ms while ranks keep the cores busy)
         if self.verify:  # taken before any receiver can read the buffer; the writers' hold for a staging copy too
             sums = bucket.sums if bucket.sums is not None else checksums(FlatBucket(buffer, bucket.entries))
             message = torch.empty(place.numel() + 8 * sums.numel(), dtype=torch.uint8)
