@@ -147,13 +147,12 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     of the cache, so an unchecked load moves as few bytes as a checked one (`PendingCheck.copy_into`) and the
     check's share of a sync is measured against the same copy."""
     raw = src.view(-1).view(torch.uint8) if src.is_contiguous() else None
-    same = dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
-    if raw is None or not same or src.device.type != "cpu" or dst.device.type != "cpu" or not available():
-        dst.copy_(src)
-    elif raw.numel() % 8 or raw.data_ptr() % 8:
-        dst.copy_(src)
-    else:
+    same = raw is not None and dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+    on_cpu = src.device.type == dst.device.type == "cpu"
+    if same and on_cpu and raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 and available():
         copy_sum(dst, raw.view(torch.int64))
+    else:
+        dst.copy_(src)
 
 
 def copy_rows_sum(

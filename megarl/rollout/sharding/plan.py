@@ -233,8 +233,8 @@ def plan_sync(
 def _transfer_order(per_source: list[list[Bucket]], bucket_bytes: int) -> list[Bucket]:
     """Every source's buckets (each list in its own order): the small ones first (under an eighth of the bound:
     a stage's bucket of norms), then the large ones merged by bytes, the next always from the source with the
-    fewest bytes planned so far. Consecutive large buckets then come from different sources, so one source's
-    ranks write the next bucket while the rollout rank's consumer takes the current one. (A plain round robin
+    fewest bytes planned so far. Consecutive large buckets then come from different sources wherever the bytes
+    allow, so one source's ranks write the next bucket while the rollout rank's consumer takes the current one. (A plain round robin
     made a 0.4 GB TP2×PP2 sync [stage 0's layers, stage 1's norms, stage 0's norms, stage 1's layers]: stage 1
     began writing only once the broadcast receiver had copied stage 0's layers.) Any order is valid: a
     parameter's HF tensors never span two buckets."""
