@@ -86,8 +86,8 @@ def test_buckets_respect_the_size_bound(bucket_bytes):
 @pytest.mark.parametrize("pp,bucket_bytes", [(2, 40_000), (2, 1 << 30), (4, 20_000), (1, 40_000)])
 def test_transfer_order_small_buckets_first_then_sources_take_turns_by_bytes(pp, bucket_bytes):
     """The rollout rank's consumer takes one bucket while the next one's ranks write it: the small buckets (under
-    an eighth of the bound: norms) go first, then each large bucket comes from the source with the fewest
-    bytes planned so far (consecutive large buckets from different stages, never a small one between), and
+    an eighth of the bound: norms) go first, then each large bucket comes from the stage with the fewest bytes
+    planned so far (so large buckets alternate stages wherever the bytes allow, with no small one between), and
     every stage's buckets keep their own order."""
     wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 2, pp)
     plan = plan_sync(metas, wmap, tp_size=2, pp_size=pp, bucket_bytes=bucket_bytes)
