@@ -38,7 +38,7 @@ first). Every member then meets at a sync point (a one-element all-reduce) once 
 buffer (it asked for the next bucket, or took its copy), and only then does the sender return the bucket to
 the manager, which writes a later bucket into that memory. Delta updates are full ones there (nothing goes
 over a wire). On 2 cores the 0.4 GB broadcast sync of `benchmarks/weight_sync.py` went from 0.16–0.20× of a
-copy's bytes/s over TCP to 0.51–0.56× this way: the gather plus one copy into the engine, in part overlapped (the
+copy's bytes/s over TCP to 0.48–0.58× this way: the gather plus one copy into the engine, in part overlapped (the
 receiver copies one stage's bucket while the other stage's ranks write theirs, `plan._transfer_order`).
 """
 
