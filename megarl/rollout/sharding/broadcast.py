@@ -61,7 +61,7 @@ from megarl.rollout.sharding.protocol import (
     verify_bucket,
 )
 from megarl.rollout.sharding.senders import sender_for
-from megarl.rollout.sharding.shm import ShmPeers, host_id, ring_room, same_host
+from megarl.rollout.sharding.shm import PLACE_BYTES, ShmPeers, host_id, ring_room, same_host
 from megarl.rollout.sharding.transport import BufferRing, KeptBuffers
 from megarl.rollout.sharding.weight_group import WeightGroup
 from megarl.utils.faults import hold
@@ -379,11 +379,9 @@ class BroadcastReceiver:
         """A bucket the sender left in shared memory: its place and checksums; the sender's buffer mapped here
         (acknowledged once the engine asks for the next bucket), or copied into one of this side's own for an
         engine that keeps or passes on its buckets (acknowledged at once)."""
-        place, unmapped = ShmPeers.message(), None
-        message = torch.empty(place.numel() + (8 * len(entries) if verify else 0), dtype=torch.uint8)  # place, sums
-        self.group.broadcast(message)
-        place.copy_(message[: place.numel()])
-        expected = message[place.numel() :].view(torch.int64) if verify else None
+        message, unmapped = torch.empty(PLACE_BYTES + (8 * len(entries) if verify else 0), dtype=torch.uint8), None
+        self.group.broadcast(message)  # the place, then the checksums (`verify`)
+        place, expected = message[:PLACE_BYTES], message[PLACE_BYTES:].view(torch.int64) if verify else None
         try:
             buffer = self._peers.open(place, numel, dtype)
         except OSError as err:  # another user's process, say: /proc/<pid>/fd is not ours to open
