@@ -103,12 +103,13 @@ SHUTDOWN_CHILD = textwrap.dedent("""
 
 
 def test_shutdown_ray_stops_every_process_ray_started_without_the_monitors_hang():
-    """The autoscaler monitor is killed before Ray's shutdown: Ray would SIGTERM it after the GCS, and its
-    handler then waits on the gone GCS until Ray's grace period ends (1 of the 1.3 s shutdown)."""
+    """The autoscaler monitor (started where the user opts out of skipping it) is killed before Ray's shutdown:
+    Ray would SIGTERM it after the GCS, and its handler then waits on the gone GCS until Ray's grace period
+    ends (1 of the 1.3 s shutdown)."""
     proc = subprocess.run(
         [sys.executable, "-c", SHUTDOWN_CHILD],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "MEGARL_RAY_SERVICES": "all"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -117,3 +118,41 @@ def test_shutdown_ray_stops_every_process_ray_started_without_the_monitors_hang(
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
     assert "'monitor'" in lines[-1] and "'raylet'" in lines[-1] and "'gcs_server'" in lines[-1], lines[-1]
     assert lines[-1].endswith("alive [] initialized False monitor sigterm False"), lines[-1]
+
+
+SERVICES_CHILD = textwrap.dedent("""
+    import sys, ray
+    from megarl.config import load_config
+    from megarl.controller import init_ray, shutdown_ray
+
+    init_ray(load_config("configs/grpo_quickstart.yaml"), log_to_driver=sys.argv[1] == "1")
+    kinds = sorted(kind for kind, infos in ray._private.worker._global_node.all_processes.items() if infos)
+    answer = ray.get(ray.remote(lambda: 41 + 1).remote())
+    print("kinds", " ".join(kinds), "answer", answer, flush=True)
+    shutdown_ray()
+""")
+
+
+def _services(log_to_driver: bool, **env) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVICES_CHILD, "1" if log_to_driver else "0"],
+        cwd=REPO,
+        env={**{k: v for k, v in os.environ.items() if k != "MEGARL_RAY_SERVICES"}, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("kinds")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    assert lines[-1].endswith("answer 42"), lines[-1]  # the cluster runs tasks either way
+    return lines[-1]
+
+
+def test_a_local_ray_starts_without_the_autoscaler_and_without_a_log_monitor_nobody_reads():
+    quiet = _services(log_to_driver=False)
+    assert "gcs_server" in quiet and "raylet" in quiet and "dashboard" in quiet, quiet
+    assert "monitor" not in quiet.split() and "log_monitor" not in quiet, quiet
+    forwarded = _services(log_to_driver=True)  # worker output goes to the driver: its log monitor stays
+    assert "log_monitor" in forwarded and "monitor" not in forwarded.split(), forwarded
+    everything = _services(log_to_driver=False, MEGARL_RAY_SERVICES="all")  # the opt-out: Ray's own start
+    assert "monitor" in everything.split() and "log_monitor" in everything, everything
