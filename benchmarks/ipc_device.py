@@ -13,7 +13,9 @@ the bucket, checks the checksums, acks) copies every tensor into its own paramet
 
 Checked before timing: after a verified sync the engine's parameters equal the weights bit for bit
 (per-tensor sums of the 16-bit words, computed on both sides); a bucket changed after its checksum was
-taken fails the update naming its tensor, and the next update (a new channel) succeeds.
+taken fails the update naming its tensor, and the next update (a new channel) succeeds; an unverified
+sync into buffers the engine mapped earlier lands the new weights, with the copies into them still
+queued on the GPU when the bucket is announced.
 
 Timed (best of --repeats, alternating, each ending with the device synchronized on both sides):
   * copy            — one `dst.copy_(src)` of all the weights' bytes (the memory floor);
@@ -184,7 +186,27 @@ def check(trainer: Trainer) -> None:
         ipc.checksums = real
     trainer.sync(verify=True)
     assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), "the update after a refused one differs"
-    print("check passed: verified syncs are bit-identical; a corrupted bucket is refused, the next update lands")
+    check_unverified(trainer)
+    print(
+        "check passed: verified and unverified syncs are bit-identical; a corrupted bucket is refused, the next"
+        " update lands"
+    )
+
+
+def check_unverified(trainer: Trainer) -> None:
+    """An unverified sync into buckets the engine has mapped already (they cross by token, without CUDA IPC's
+    event) lands the new weights, not the last sync's, even with the copies into the buckets still queued on
+    the GPU when the bucket is announced (behind a ~0.1 s sleep kernel: `ipc._written` must wait for them)."""
+    trainer.sync(verify=False)
+    for weight in trainer.weights.values():
+        weight.add_(1.0)
+    if trainer.device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles, before the pack's copies on the same stream
+    trainer.sync(verify=False)
+    assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), (
+        "an unverified sync into mapped buckets loaded bytes the trainer had not finished writing"
+    )
 
 
 def sums_forms() -> dict:

@@ -6,13 +6,14 @@
 #   bash scripts/gpu_check.sh            # from the repository root, ~3-5 min on an H100/H200
 #
 # megarl is used from the checkout (PYTHONPATH), not installed. Wheels in .whl/ (for a machine without
-# network: megatron-core's, and omegaconf's, which megarl.plan's package imports) are installed into
-# /tmp/site first:
+# network: megatron-core's, and omegaconf's, which megarl.plan's package imports, with the antlr4 runtime it
+# parses interpolations with) are installed into /tmp/site first:
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 omegaconf==2.4.0
-# On an H200 (2026-11-26) step 2 printed MFU 26.5% vs transformers' 28.4%, log-probs as close to
-# transformers' float32 ones as its bf16 ones, and a 38.6 GiB peak against 40.6 GiB predicted; step 4
-# logit parity 1.8e-7 and a bit-exact round trip.
+#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
+# On an H200 (2026-11-28) step 2 printed MFU 29.1% vs transformers' 28.4% (26.5% on 2026-11-26, before the
+# bf16 norms), log-probs as close to transformers' float32 ones as its bf16 ones, and a 35.2 GiB peak against
+# 40.6 GiB predicted; step 4 logit parity 1.8e-7 and a bit-exact round trip; step 5 checksums at 1.46x of a
+# copy, the check's share +26%, and every check passed (unverified syncs into mapped buffers included).
 # What it runs:
 #   1. benchmarks/train_step.py --quick: the actor's update on CUDA at all (NCCL, bf16, local spec);
 #   2. the same at ~1.5 B parameters (Llama-3 vocabulary): tokens/s and MFU against transformers +
@@ -23,8 +24,8 @@
 #   4. scripts/conversion_demo.py at TP1: logit parity with transformers (float32) of a model built on the
 #      GPU, HF -> megatron-core distributed checkpoint -> HF, bit for bit;
 #   5. benchmarks/ipc_device.py: the IPC weight transport over CUDA IPC handles into another process, 3 GB
-#      of bf16 in 1 GB buckets: verified syncs bit-identical, a corrupted bucket refused naming its tensor,
-#      and bytes/s against a device copy (H200, 2026-11-26: checksums 1.65x of a copy in one Triton
+#      of bf16 in 1 GB buckets: verified and unverified syncs bit-identical, a corrupted bucket refused
+#      naming its tensor, and bytes/s against a device copy (H200, 2026-11-26: checksums 1.65x of a copy in one Triton
 #      launch per bucket, 0.74x from block sums; the check's share of the sync +26%, +45% from block sums).
 set -uo pipefail
 cd "$(dirname "$0")/.."

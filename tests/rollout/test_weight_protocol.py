@@ -801,16 +801,26 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
         worker_side["conn"].recv()
 
 
-def test_the_device_ipc_benchmark_checks_pass_over_shared_memory():
-    """`benchmarks/ipc_device.py` (run on GPUs by `scripts/gpu_check.sh`, which CI cannot) on CPU: its checks —
-    verified syncs bit-identical, a corrupted bucket refused naming its tensor, the next update landing —
-    pass over shared memory, so the benchmark does not rot between GPU sessions."""
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
+        ),
+    ],
+)
+def test_the_device_ipc_benchmark_checks_pass(device):
+    """`benchmarks/ipc_device.py`'s checks — verified syncs bit-identical, a corrupted bucket refused naming its
+    tensor, the next update landing, an unverified sync into mapped buffers landing the weights still being
+    written — pass over CUDA IPC where there is a GPU (`scripts/gpu_check.sh`, which CI cannot run) and over
+    shared memory everywhere, so the benchmark does not rot between GPU sessions."""
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "ipc_device.py"), "--device", "cpu", "--quick", "--bucket-mb", "1"]
+        [sys.executable, str(repo / "benchmarks" / "ipc_device.py"), "--device", device, "--quick", "--bucket-mb", "1"]
         + ["--repeats", "1"],
         check=True,
         capture_output=True,

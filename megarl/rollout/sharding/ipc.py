@@ -42,7 +42,9 @@ colocated engine include the host rank's GPU). A failure on either side ends the
 (a worker that never connects or answers does not leave the sender waiting) and closes the channel
 (the next update opens a new one): `IpcChannel.serve` raises, and the engine decides what the
 failure means (`UpdateProgress`: had a bucket been handed over yet?).
-Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors.
+Tested on CPU (shared memory); the CUDA path is the same code with CUDA tensors, run on one GPU by
+`benchmarks/ipc_device.py` (`scripts/gpu_check.sh`). There a buffer mapped earlier is announced only once
+the sender's stream has written it (`_written`).
 
 Must not import the vLLM engine module (`vllm_engine.py`): the engine is duck-typed
 (`check_update`, `load_by_ipc`, `ipc_workers`).
@@ -248,11 +250,12 @@ class IpcChannel:
         if bucket is None:
             return None
         if bucket.expected is not None:  # checksums that came with the bucket (an engine server's IPC hop)
-            sums = bucket.expected.tolist()  # are the workers' to check: end to end, none taken again here
+            source = bucket.expected  # are the workers' to check: end to end, none taken again here
         elif not verify:
-            sums = None
+            source = None
         else:  # the sums its writers took as they wrote it (`writesums`), else taken here
-            sums = (bucket.sums if bucket.sums is not None else checksums(bucket)).tolist()
+            source = bucket.sums if bucket.sums is not None else checksums(bucket)
+        sums = None if source is None else source.tolist()  # from the GPU: waits for its stream
         buffer = bucket.buffer
         storage = buffer.untyped_storage()
         known = self.mapped.get(storage.data_ptr()) if bucket.kept else None
@@ -265,9 +268,23 @@ class IpcChannel:
                 self.mapped[storage.data_ptr()] = (weakref.ref(storage), token)
         if token is not None:
             live.append(token)
+        if handle is None and buffer.is_cuda and (source is None or not source.is_cuda):
+            _written(buffer)
         where = (buffer.storage_offset() * buffer.element_size(), buffer.numel(), buffer.dtype)
         adoptable = bucket.kept and owned is not None and owned.holds(buffer)
         return handle, token, where, bucket.entries, _device_uuid(buffer), sums, adoptable
+
+
+def _written(buffer: torch.Tensor) -> None:
+    """Wait until the GPU has written a bucket named by token before the workers are told to read it.
+
+    A CUDA IPC handle carries an event of the sender's stream, which the worker waits for when it opens
+    the handle; a buffer mapped in an earlier update crosses by token, with no event, and checksums read
+    back from the GPU (`.tolist()`) wait for the stream anyway: so a kept CUDA buffer sent unverified (or
+    with sums taken elsewhere) gets here.
+    Without it the worker may read the bucket while the copies into it are still running (the previous
+    update's bytes: `benchmarks/ipc_device.py` checks this)."""
+    torch.cuda.current_stream(buffer.device).synchronize()
 
 
 def serve_buckets(
