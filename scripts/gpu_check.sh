@@ -27,6 +27,9 @@
 #      of bf16 in 1 GB buckets: verified and unverified syncs bit-identical, a corrupted bucket refused
 #      naming its tensor, and bytes/s against a device copy (H200, 2026-11-26: checksums 1.65x of a copy in one Triton
 #      launch per bucket, 0.74x from block sums; the check's share of the sync +26%, +45% from block sums).
+#   6. benchmarks/sync_device.py: the colocated in-process sync (sharding manager -> an embedded engine on the
+#      same GPU, which adopts the buckets) of a Qwen2-1.5B-sized Llama in bf16: bit-identical, and bytes/s
+#      against a device copy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -50,4 +53,5 @@ step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-he
 step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
 step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
 step "$PY" benchmarks/ipc_device.py --bucket-mb 1024 --repeats 9
+step "$PY" benchmarks/sync_device.py --repeats 5
 exit $status

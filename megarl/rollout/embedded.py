@@ -7,9 +7,9 @@ length and sampling params so no padding enters the attention (greedy output equ
 was sampled from: log_softmax(logits / temperature) after top-k / top-p (greedy: temperature 1),
 as vLLM's "processed_logprobs" (`SamplingParams.logprobs`).
 Weight updates copy HF-named tensors into the parameters (`named_parameters`, so tied
-embeddings are one tensor), strict names and shapes; on CPU a sharding manager's sync lands in the
-engine's own buffers, which become the parameters themselves (`load_buckets`), so later syncs write
-straight into the model. Names are the checkpoint's (what
+embeddings are one tensor), strict names and shapes; a sharding manager's sync lands in the engine's
+own buffers (on CPU or its GPU), which become the parameters themselves (`load_buckets`), so later
+syncs write straight into the model. Names are the checkpoint's (what
 `save_pretrained` writes, vLLM loads and the sharding manager sends): for MoE families, whose
 transformers modules fuse the experts ([experts, 2·ffn, hidden] gate-up, [experts, hidden, ffn]
 down), each per-expert name is a view into the fused parameter (`checkpoint_params`). The fallback, not the default:
@@ -83,7 +83,8 @@ class EmbeddedEngine(RolloutEngine):
             self.device = torch.device("cuda", torch.cuda.current_device())  # whose current device is 0
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
-        self.update_buffers = KeptBuffers()  # a sync's buckets land here and become the parameters (`load_buckets`)
+        # a sync's buckets land here and become the parameters (`load_buckets`)
+        self.update_buffers = KeptBuffers(any_device=True)
         self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
         self._scheduler = BatchScheduler(self._run_batch, lambda pending: _aborted_before_start(pending, self.version))
 
@@ -114,10 +115,11 @@ class EmbeddedEngine(RolloutEngine):
 
     def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
         """Whether a sync of these tensors can land in `update_buffers` and become the parameters
-        (`load_buckets`): on CPU, each a whole parameter (not a view of fused MoE experts) of its dtype."""
+        (`load_buckets`): each a whole parameter (not a view of fused MoE experts) of its dtype, on CPU or
+        on this engine's GPU (where the buckets are then kept too: `KeptBuffers(any_device=True)`)."""
         params = self._params
         whole = all(isinstance(params.get(s.name), torch.nn.Parameter) for s in specs)
-        return self.device.type == "cpu" and whole and all(params[s.name].dtype == s.dtype for s in specs)
+        return whole and all(params[s.name].dtype == s.dtype for s in specs)
 
     def load_buckets(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Take already-checked buckets, landed in this engine's `update_buffers`, as policy `version`.
@@ -151,6 +153,9 @@ class EmbeddedEngine(RolloutEngine):
         if self.device.type == "cuda":
             self.model.to("cpu")
             self._params = checkpoint_params(self.model)  # `to` gives parameters new storage: fresh expert views
+            self.update_buffers = KeptBuffers(
+                any_device=True
+            )  # the adopted GPU buckets go too: the next sync adopts anew
             torch.cuda.empty_cache()
         super().sleep()
 

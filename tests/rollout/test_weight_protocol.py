@@ -826,6 +826,34 @@ def test_the_device_ipc_benchmark_checks_pass(device):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
     ).stdout
     assert "corrupted bucket refused" in out and "check passed" in out and "integrity check's share" in out, out
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    ],
+)
+def test_the_device_sync_benchmark_checks_pass(device):
+    """`benchmarks/sync_device.py` (the colocated in-process sync on one GPU, `scripts/gpu_check.sh`): its engine,
+    zeroed first, holds the bridge's export bit for bit after a sync and after the next one (into the buffers it
+    adopted); on CPU here so the benchmark does not rot between GPU sessions."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "sync_device.py"), "--device", device, "--quick", "--repeats", "1"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
+    ).stdout
+    assert "check passed" in out and "in-process" in out, out
+    adopted = float(out.split("MiB of its parameters are the sync's buffers")[0].split()[-1])
+    assert adopted > 0, out  # the engine took the sync's buckets as its parameters

@@ -32,7 +32,7 @@ class InPlaceSender:
     """An engine in this process: each bucket's tensors, as views, go straight into its loading.
 
     `adopt` (a sharding manager's syncs): where the engine can (`adopts_update(specs)`: the embedded
-    engine on CPU, a dense model in the engine's dtype), `check` sets `adopt_into` to the engine's own
+    engine on CPU or its GPU, a dense model in the engine's dtype), `check` sets `adopt_into` to the engine's own
     buffers (`update_buffers`); the manager then lands every bucket there and the engine takes them as
     its parameters (`load_buckets`): from the second sync on the ranks write into the model and
     nothing is copied at the engine.

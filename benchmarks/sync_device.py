@@ -1,0 +1,180 @@
+"""Benchmark + check: the colocated in-process weight sync on one GPU, against a device copy.
+
+    python benchmarks/sync_device.py                        # on a CUDA machine: a Qwen2-1.5B-sized Llama, bf16
+    python benchmarks/sync_device.py --device cpu --quick   # the same code on CPU (gloo), seconds
+
+What a colocated rollout rank does at TP1 each step (`ShardingManager.sync(InPlaceSender(engine, adopt=True))`),
+with the embedded (`transformers`) engine on the same device: one rank (NCCL on a GPU) holds a megatron-core
+Llama loaded from a random HF checkpoint; the sharding manager turns its parameters into HF tensors (QKV split
+per group, gate/up split, vocabulary padding dropped) bucket by bucket, and the engine takes the buckets of its
+first sync as its parameters, so every later sync writes into the model.
+
+Checked before timing: the engine, its weights zeroed first, holds the bridge's HF export bit for bit after a
+sync, again after every megatron weight changed (the second sync writes into the adopted buffers), and after a
+sleep and wake-up (on a GPU the sleep gives the adopted buffers back; the next sync adopts new ones). Prints how
+many bytes of the engine's parameters are the sync's buffers and, on a GPU, how much memory its sleep gave back.
+
+Timed (best of --repeats, alternating, each ending with the device synchronized):
+  * copy        — one `dst.copy_(src)` of the HF bytes (the memory floor);
+  * gather      — `ShardingManager.iter_weights()` consumed, no engine (the HF tensors built, bucket by bucket);
+  * in-process  — the sync into the engine.
+Prints each one's GB/s and its ratio against `copy` (bytes/s; issue 17's goal for a sync: >= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from megarl.models.layout import ParallelLayout
+from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
+
+
+def model_config(quick: bool, dtype: torch.dtype):
+    from megarl.testing.models import tiny_hf_config
+
+    size = (
+        dict(vocab_size=4096, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4, intermediate_size=704)
+        if quick
+        else dict(
+            vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960
+        )
+    )
+    config = tiny_hf_config("llama", **size)
+    config.torch_dtype = dtype
+    return config
+
+
+def write_checkpoint(path: str, quick: bool, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(model_config(quick, dtype), dtype=dtype).save_pretrained(path)
+
+
+def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, repeats: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.runtime import init_megatron
+    from megarl.rollout.embedded import EmbeddedEngine
+    from megarl.rollout.sharding.manager import ShardingManager
+    from megarl.rollout.sharding.senders import InPlaceSender
+
+    layout = ParallelLayout()
+    init_megatron(layout)
+    bridge = ModelBridge.from_hf_path(hf_dir, layout, dtype=dtype)
+    chunks = bridge.build(0)
+    bridge.load_hf_weights(chunks, hf_dir, tp_rank=0, pp_rank=0)
+    manager = ShardingManager(bridge, chunks, bucket_bytes=int(bucket_mb * 2**20))
+    engine = EmbeddedEngine(hf_dir, dtype=dtype, device=device)
+    version = [0]
+
+    def sync():
+        version[0] += 1
+        manager.sync(InPlaceSender(engine, adopt=True), version=version[0])
+
+    def export() -> dict[str, torch.Tensor]:
+        tp_group = ps.get_tensor_model_parallel_group()
+        return {n: t.clone() for n, t in bridge.iter_hf_weights(chunks, pp_rank=0, tp_group=tp_group)}
+
+    with torch.no_grad():
+        for param in engine._params.values():
+            param.zero_()
+    sync()
+    exact = [_equal(engine._params, export())]
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            param.add_(1.0)
+    sync()
+    exact.append(_equal(engine._params, export()))
+    adopted = sum(t.numel() * t.element_size() for t in engine._params.values() if engine.update_buffers.holds(t))
+    freed = _sleep_and_wake(engine, device)
+    sync()  # after a wake-up the engine's parameters are new memory: this sync is adopted anew
+    exact.append(_equal(engine._params, export()))
+    hf_bytes = sum(t.numel() * t.element_size() for t in engine._params.values())
+    src = torch.randn(hf_bytes // 2, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    paths = {"copy": lambda: dst.copy_(src), "gather": lambda: _consume(manager), "in-process": sync}
+    best = {name: float("inf") for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            best[name] = min(best[name], _timed(device, fn))
+    return dict(
+        best=best,
+        exact=exact,
+        hf_bytes=hf_bytes,
+        buckets=len(manager.plan.buckets),
+        tensors=len(engine._params),
+        adopted=adopted,
+        freed=freed,
+    )
+
+
+def _sleep_and_wake(engine, device: str) -> int:
+    """Bytes of device memory the engine's sleep gave back (its adopted buckets included; 0 on CPU)."""
+    before = torch.cuda.memory_allocated() if device != "cpu" else 0
+    engine.sleep()
+    freed = before - torch.cuda.memory_allocated() if device != "cpu" else 0
+    engine.wake_up()
+    return freed
+
+
+def _consume(manager) -> None:
+    for _name, _tensor in manager.iter_weights():
+        pass
+
+
+def _equal(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:
+    return params.keys() == reference.keys() and all(torch.equal(params[n], t) for n, t in reference.items())
+
+
+def _timed(device: str, fn) -> float:
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    from megarl.utils.distributed import run_distributed
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a ~3M-parameter model")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here; pass --device cpu")
+    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+    with tempfile.TemporaryDirectory(prefix="megarl-sync-device-") as hf_dir:
+        write_checkpoint(hf_dir, args.quick, dtype)
+        result = run_distributed(bench_rank, 1, hf_dir, args.device, dtype, args.bucket_mb, args.repeats)[0]
+    best, nbytes = result["best"], result["hf_bytes"]
+    print(
+        f"{args.device}: {nbytes / 2**20:.1f} MiB of {str(dtype).removeprefix('torch.')} HF weights,"
+        f" {result['tensors']} tensors in {result['buckets']} buckets of <= {args.bucket_mb:g} MiB"
+    )
+    if not all(result["exact"]):
+        raise SystemExit(f"the engine's weights differ from the bridge's export after a sync: {result['exact']}")
+    print(
+        "check passed: the engine holds the bridge's export bit for bit after each sync (and after a sleep and"
+        f" wake-up); {result['adopted'] / 2**20:.1f} MiB of its parameters are the sync's buffers"
+        + (f"; its sleep gave back {result['freed'] / 2**20:.1f} MiB of device memory" if args.device != "cpu" else "")
+    )
+    for name, seconds in best.items():
+        print(
+            f"{name:12s} {seconds * 1e3:8.2f} ms  {nbytes / seconds / 1e9:7.1f} GB/s"
+            f"  {best['copy'] / seconds:5.2f}x of a copy"
+        )
+
+
+if __name__ == "__main__":
+    main()
