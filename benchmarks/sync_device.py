@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
+from ipc_device import timed  # the sibling benchmark's: device synchronized at both ends
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
@@ -102,7 +102,7 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
     best = {name: float("inf") for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            best[name] = min(best[name], _timed(device, fn))
+            best[name] = min(best[name], timed(device, fn))
     return dict(
         best=best,
         exact=exact,
@@ -130,16 +130,6 @@ def _consume(manager) -> None:
 
 def _equal(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:
     return params.keys() == reference.keys() and all(torch.equal(params[n], t) for n, t in reference.items())
-
-
-def _timed(device: str, fn) -> float:
-    if device != "cpu":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:

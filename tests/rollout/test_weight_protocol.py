@@ -801,59 +801,45 @@ def test_an_ipc_channel_is_kept_and_maps_a_kept_buffer_once(checkpoint):
         worker_side["conn"].recv()
 
 
-@pytest.mark.parametrize(
+ON_EVERY_DEVICE = pytest.mark.parametrize(
     "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
-        ),
-    ],
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
 )
+
+
+def run_benchmark(script: str, *args: str) -> str:
+    """The stdout of `benchmarks/<script>` run with `args` (it fails the test where it exits non-zero)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / script), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    ).stdout
+
+
+@ON_EVERY_DEVICE
 def test_the_device_ipc_benchmark_checks_pass(device):
     """`benchmarks/ipc_device.py`'s checks — verified syncs bit-identical, a corrupted bucket refused naming its
     tensor, the next update landing, an unverified sync into mapped buffers landing the weights still being
     written — pass over CUDA IPC where there is a GPU (`scripts/gpu_check.sh`, which CI cannot run) and over
     shared memory everywhere, so the benchmark does not rot between GPU sessions."""
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "ipc_device.py"), "--device", device, "--quick", "--bucket-mb", "1"]
-        + ["--repeats", "1"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
-    ).stdout
+    out = run_benchmark("ipc_device.py", "--device", device, "--quick", "--bucket-mb", "1", "--repeats", "1")
     assert "corrupted bucket refused" in out and "check passed" in out and "integrity check's share" in out, out
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
-    ],
-)
+@ON_EVERY_DEVICE
 def test_the_device_sync_benchmark_checks_pass(device):
     """`benchmarks/sync_device.py` (the colocated in-process sync on one GPU, `scripts/gpu_check.sh`): its engine,
-    zeroed first, holds the bridge's export bit for bit after a sync and after the next one (into the buffers it
-    adopted); on CPU here so the benchmark does not rot between GPU sessions."""
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "sync_device.py"), "--device", device, "--quick", "--repeats", "1"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
-    ).stdout
+    zeroed first, holds the bridge's export bit for bit after a sync, after the next one (into the buffers it
+    adopted) and after a sleep and wake-up; on CPU too, so the benchmark does not rot between GPU sessions."""
+    out = run_benchmark("sync_device.py", "--device", device, "--quick", "--repeats", "1")
     assert "check passed" in out and "in-process" in out, out
     adopted = float(out.split("MiB of its parameters are the sync's buffers")[0].split()[-1])
     assert adopted > 0, out  # the engine took the sync's buckets as its parameters
