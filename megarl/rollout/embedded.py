@@ -84,7 +84,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self._params = checkpoint_params(self.model)
         # a sync's buckets land here and become the parameters (`load_buckets`)
-        self.update_buffers = KeptBuffers(any_device=True)
+        self.update_buffers = KeptBuffers(self.device)
         self._weights_lock = threading.Lock()  # a forward pass never sees half-loaded weights
         self._scheduler = BatchScheduler(self._run_batch, lambda pending: _aborted_before_start(pending, self.version))
 
@@ -116,7 +116,7 @@ class EmbeddedEngine(RolloutEngine):
     def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
         """Whether a sync of these tensors can land in `update_buffers` and become the parameters
         (`load_buckets`): each a whole parameter (not a view of fused MoE experts) of its dtype, on CPU or
-        on this engine's GPU (where the buckets are then kept too: `KeptBuffers(any_device=True)`)."""
+        on this engine's GPU (where the buckets are then kept too: `KeptBuffers(device)`)."""
         params = self._params
         whole = all(isinstance(params.get(s.name), torch.nn.Parameter) for s in specs)
         return whole and all(params[s.name].dtype == s.dtype for s in specs)
@@ -153,9 +153,8 @@ class EmbeddedEngine(RolloutEngine):
         if self.device.type == "cuda":
             self.model.to("cpu")
             self._params = checkpoint_params(self.model)  # `to` gives parameters new storage: fresh expert views
-            self.update_buffers = KeptBuffers(
-                any_device=True
-            )  # the adopted GPU buckets go too: the next sync adopts anew
+            # the adopted GPU buckets go too: the next sync adopts anew
+            self.update_buffers = KeptBuffers(self.device)
             torch.cuda.empty_cache()
         super().sleep()
 

@@ -162,6 +162,26 @@ def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_
     assert not moe.adopts_update([HFSpec(n, tuple(p.shape), p.dtype) for n, p in moe._params.items()])
 
 
+def test_an_engines_own_buffers_are_kept_on_its_device_and_no_other():
+    """`KeptBuffers(device)` (an engine's `update_buffers`) keeps host buffers and its device's, so a sync lands in
+    the same memory every time and the engine keeps it as its parameters; another device's (the trainer's GPU,
+    a buffer the engine could not adopt) is fresh each time, as are every non-host one of a plain `KeptBuffers()`,
+    so no GPU memory stays held beside a trainer's. The meta device stands in for a GPU here."""
+    from megarl.rollout.sharding.transport import KeptBuffers
+
+    mine, plain = KeptBuffers(torch.device("meta")), KeptBuffers()
+    for kept in (mine, plain):
+        kept.take("a", 10, torch.bfloat16, "meta")
+        kept.take("b", 10, torch.bfloat16, "cpu")
+    assert sorted(k for k, _ in mine.buffers) == ["a", "b"] and [k for k, _ in plain.buffers] == ["b"]
+    first = mine.buffers[("a", True)]
+    mine.take("a", 8, torch.bfloat16, "meta")
+    assert mine.buffers[("a", True)] is first  # the same buffer, sync after sync
+    elsewhere = KeptBuffers(torch.device("cpu"))
+    elsewhere.take("a", 10, torch.bfloat16, "meta")
+    assert not elsewhere.buffers
+
+
 def test_requests_differing_only_in_seed_share_a_batch_and_sample_as_they_would_alone(engine, monkeypatch):
     """The trainer seeds every prompt row apart: those requests run as one batch (a forward pass per token
     for all of them), and each samples the tokens it samples alone."""

@@ -53,8 +53,9 @@ class FlatBucket:
     entries: tuple[HFSlot, ...]
     """(HF name, shape, element offset) of every tensor, in buffer order."""
     kept: bool = False
-    """The buffer is one the producer keeps from sync to sync (`transport.KeptBuffers`, host memory): the
-    same memory in every sync while it is kept, so a transport may map it once (`ipc.IpcChannel`)."""
+    """The buffer is one the producer keeps from sync to sync (`transport.KeptBuffers`: host memory, or an
+    engine's own GPU buffers): the same memory in every sync while it is kept, so a transport may map it
+    once (`ipc.IpcChannel`) and an engine may take it as its parameters (`EmbeddedEngine.load_buckets`)."""
     expected: Optional[torch.Tensor] = None
     """The sender's per-tensor `checksums` of the bytes, still to be checked (`verify_bucket`): `tensors()`
     checks them before it hands on any view; a transport passing the buffer on passes them on instead."""

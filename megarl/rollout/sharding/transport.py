@@ -259,21 +259,21 @@ class KeptBuffers:
     sync (the consumer maps pages that already exist). An engine that takes synced buckets as its
     parameters owns a set of its own (`EmbeddedEngine.update_buffers`; shared memory only where the
     replica's other ranks write into them): every later sync writes straight into the model. The
-    price: the buffers stay allocated (about the model's HF bytes). Host memory only, unless
-    `any_device` (an engine's own buffers: they are its parameters, so keeping them on its GPU costs no
-    memory); elsewhere `take` hands out a fresh buffer each time (a GPU's caching allocator reuses
-    freed blocks, and GPU memory kept beside the trainer's would be lost to it).
+    price: the buffers stay allocated (about the model's HF bytes). Host memory only, and `device`'s
+    (an engine's own buffers on its GPU: they become its parameters, so keeping them costs no memory);
+    on other devices `take` hands out a fresh buffer each time (a GPU's caching allocator reuses freed
+    blocks, and GPU memory kept beside the trainer's would be lost to it).
     """
 
-    def __init__(self, *, any_device: bool = False):
+    def __init__(self, device: Optional[torch.device] = None):
         self.buffers: dict = {}  # (key, shared) → buffer
-        self.any_device = any_device
+        self.device = None if device is None else torch.device(device)
 
     def take(self, key, numel: int, dtype: torch.dtype, device, *, shared: bool = True) -> torch.Tensor:
         """The buffer kept for `key` ([numel] of `dtype`); `shared`: one in shared memory (kept apart from
         a private one of the same key: syncs over two transports alternate without reallocating)."""
         device = torch.device(device)
-        if device.type != "cpu" and not self.any_device:
+        if device.type != "cpu" and device != self.device:
             return alloc_flat(numel, dtype, device)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self.buffers.get((key, shared))
