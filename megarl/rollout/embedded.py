@@ -115,11 +115,12 @@ class EmbeddedEngine(RolloutEngine):
 
     def adopts_update(self, specs: Sequence[HFSpec]) -> bool:
         """Whether a sync of these tensors can land in `update_buffers` and become the parameters
-        (`load_buckets`): each a whole parameter (not a view of fused MoE experts) of its dtype, on CPU or
-        on this engine's GPU (where the buckets are then kept too: `KeptBuffers(device)`)."""
+        (`load_buckets`): each a whole parameter (not a view of fused MoE experts) of its dtype, where the
+        engine keeps it (on CPU, or on its GPU while awake: the buckets are then kept there too,
+        `KeptBuffers(device)`; asleep, its parameters are on the CPU and a sync is copied in)."""
         params = self._params
         whole = all(isinstance(params.get(s.name), torch.nn.Parameter) for s in specs)
-        return whole and all(params[s.name].dtype == s.dtype for s in specs)
+        return whole and all(params[s.name].dtype == s.dtype and params[s.name].device == self.device for s in specs)
 
     def load_buckets(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Take already-checked buckets, landed in this engine's `update_buffers`, as policy `version`.
@@ -153,8 +154,7 @@ class EmbeddedEngine(RolloutEngine):
         if self.device.type == "cuda":
             self.model.to("cpu")
             self._params = checkpoint_params(self.model)  # `to` gives parameters new storage: fresh expert views
-            # the adopted GPU buckets go too: the next sync adopts anew
-            self.update_buffers = KeptBuffers(self.device)
+            self.update_buffers.clear()  # the adopted GPU buckets go too (a sender holding them as well keeps none)
             torch.cuda.empty_cache()
         super().sleep()
 

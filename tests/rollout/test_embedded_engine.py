@@ -114,7 +114,8 @@ def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_
     later sync writes the model in place: nothing to copy) and copies the others in. No adoption for a
     partial update, another dtype, or MoE experts (views of fused tensors). A sync into the engine's
     buffers that fails before its first bucket arrives may have written some already: the engine then
-    refuses requests until an update succeeds instead of keeping its version as if nothing happened."""
+    refuses requests until an update succeeds instead of keeping its version as if nothing happened. Nor
+    where its parameters are not on its device (a GPU engine asleep keeps them on the CPU)."""
     from dataclasses import replace
 
     from megarl.rollout.sharding.plan import HFSpec
@@ -137,6 +138,7 @@ def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_
     loose = list(bucket_tensors(weights[-1:], 1 << 20))
     original = {n: p.data_ptr() for n, p in engine._params.items()}
     assert sender.send(iter(kept + loose), version=1) == 1
+    assert sender.adopt_into is None  # held for that sync only: an engine asleep until the next frees its buffers
     views = {n: t for b in kept for n, t in b.tensors()}
     for name, param in engine._params.items():
         assert torch.equal(param, target._params[name]), name
@@ -157,29 +159,35 @@ def test_synced_buckets_become_the_parameters_and_a_failed_sync_then_breaks_the_
         engine.load_buckets(failing(), version=2)
     assert engine.version == 1 and engine.broken and "mixes two versions" in engine.broken
 
+    engine.device = torch.device("meta")  # parameters elsewhere than the engine keeps them (a GPU engine asleep)
+    assert not engine.adopts_update(specs)
     save_tiny_hf_model("qwen2_moe", tmp_path / "moe", seed=0)
     moe = EmbeddedEngine(tmp_path / "moe")
     assert not moe.adopts_update([HFSpec(n, tuple(p.shape), p.dtype) for n, p in moe._params.items()])
 
 
 def test_an_engines_own_buffers_are_kept_on_its_device_and_no_other():
-    """`KeptBuffers(device)` (an engine's `update_buffers`) keeps host buffers and its device's, so a sync lands in
-    the same memory every time and the engine keeps it as its parameters; another device's (the trainer's GPU,
-    a buffer the engine could not adopt) is fresh each time, as are every non-host one of a plain `KeptBuffers()`,
-    so no GPU memory stays held beside a trainer's. The meta device stands in for a GPU here."""
+    """`KeptBuffers(device)` (an engine's `update_buffers`) keeps its device's buffers only, so a sync lands in the
+    same memory every time and the engine keeps it as its parameters; another device's (the trainer's GPU, or
+    host memory for a GPU engine: buffers it could not adopt) are fresh each time, as are every non-host one of a
+    plain `KeptBuffers()`, so no GPU memory stays held beside a trainer's. The meta device stands in for a GPU."""
     from megarl.rollout.sharding.transport import KeptBuffers
 
     mine, plain = KeptBuffers(torch.device("meta")), KeptBuffers()
     for kept in (mine, plain):
         kept.take("a", 10, torch.bfloat16, "meta")
         kept.take("b", 10, torch.bfloat16, "cpu")
-    assert sorted(k for k, _ in mine.buffers) == ["a", "b"] and [k for k, _ in plain.buffers] == ["b"]
+    assert [k for k, _ in mine.buffers] == ["a"] and [k for k, _ in plain.buffers] == ["b"]
     first = mine.buffers[("a", True)]
     mine.take("a", 8, torch.bfloat16, "meta")
     assert mine.buffers[("a", True)] is first  # the same buffer, sync after sync
     elsewhere = KeptBuffers(torch.device("cpu"))
     elsewhere.take("a", 10, torch.bfloat16, "meta")
     assert not elsewhere.buffers
+    mine.clear()  # the engine asleep: the buffers go, whoever else holds this object
+    assert not mine.buffers
+    mine.take("a", 10, torch.bfloat16, "meta")
+    assert mine.buffers[("a", True)] is not first  # a new one: the next sync adopts anew
 
 
 def test_requests_differing_only_in_seed_share_a_batch_and_sample_as_they_would_alone(engine, monkeypatch):

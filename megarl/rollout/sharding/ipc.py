@@ -268,7 +268,7 @@ class IpcChannel:
                 self.mapped[storage.data_ptr()] = (weakref.ref(storage), token)
         if token is not None:
             live.append(token)
-        if handle is None and buffer.is_cuda and (source is None or not source.is_cuda):
+        if handle is None and buffer.is_cuda and (source is None or source.device != buffer.device):
             _written(buffer)
         where = (buffer.storage_offset() * buffer.element_size(), buffer.numel(), buffer.dtype)
         adoptable = bucket.kept and owned is not None and owned.holds(buffer)

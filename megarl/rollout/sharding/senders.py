@@ -61,6 +61,7 @@ class InPlaceSender:
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         if self.adopt_into is not None:
+            self.adopt_into = None  # this sync's only (the manager has it): the next `check` decides again
             return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
         if self.checks_as_it_copies:
             return self.engine.load_checked(pending_tensors(buckets, self._announced), version)

@@ -259,10 +259,11 @@ class KeptBuffers:
     sync (the consumer maps pages that already exist). An engine that takes synced buckets as its
     parameters owns a set of its own (`EmbeddedEngine.update_buffers`; shared memory only where the
     replica's other ranks write into them): every later sync writes straight into the model. The
-    price: the buffers stay allocated (about the model's HF bytes). Host memory only, and `device`'s
-    (an engine's own buffers on its GPU: they become its parameters, so keeping them costs no memory);
-    on other devices `take` hands out a fresh buffer each time (a GPU's caching allocator reuses freed
-    blocks, and GPU memory kept beside the trainer's would be lost to it).
+    price: the buffers stay allocated (about the model's HF bytes). With `device` (an engine's own
+    buffers on its GPU: they become its parameters, so keeping them costs no memory) only that device's
+    are kept, else only host memory; `take` hands out a fresh buffer on any other device each time (a
+    GPU's caching allocator reuses freed blocks, and GPU memory kept beside the trainer's would be lost
+    to it). `clear` lets them all go (the engine asleep: its holders keep none alive either).
     """
 
     def __init__(self, device: Optional[torch.device] = None):
@@ -273,7 +274,8 @@ class KeptBuffers:
         """The buffer kept for `key` ([numel] of `dtype`); `shared`: one in shared memory (kept apart from
         a private one of the same key: syncs over two transports alternate without reallocating)."""
         device = torch.device(device)
-        if device.type != "cpu" and device != self.device:
+        own = self.device or torch.device("cpu")  # the one device whose buffers are kept
+        if device.type != own.type or (device.type != "cpu" and device != own):
             return alloc_flat(numel, dtype, device)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         buf = self.buffers.get((key, shared))
@@ -284,6 +286,9 @@ class KeptBuffers:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
+
+    def clear(self) -> None:
+        self.buffers.clear()
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in one of the kept buffers."""
