@@ -30,7 +30,8 @@ import argparse
 import tempfile
 
 import torch
-from ipc_device import timed  # the sibling benchmark's: device synchronized at both ends
+from ipc_device import timed  # the sibling benchmark's timer: the device synchronized at both ends
+from weight_sync import _consume  # the sibling benchmark's gather with no engine: `iter_weights()` consumed
 
 from megarl.models.layout import ParallelLayout
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
@@ -102,7 +103,7 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
     hf_bytes = sum(t.numel() * t.element_size() for t in engine._params.values())
     src = torch.randn(hf_bytes // 2, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    paths = {"copy": lambda: dst.copy_(src), "gather": lambda: _consume(manager), "in-process": sync}
+    paths = {"copy": lambda: dst.copy_(src), "gather": _consume(manager), "in-process": sync}
     paths["in-process after a wake-up"] = sync  # each step's sync in colocated training: new buffers, adopted
     setups = {"in-process after a wake-up": lambda: _sleep_and_wake(engine, device)}  # not timed
     best = {name: float("inf") for name in paths}
@@ -128,11 +129,6 @@ def _sleep_and_wake(engine, device: str) -> int:
     freed = before - torch.cuda.memory_allocated() if device != "cpu" else 0
     engine.wake_up()
     return freed
-
-
-def _consume(manager) -> None:
-    for _name, _tensor in manager.iter_weights():
-        pass
 
 
 def _equal(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> bool:
