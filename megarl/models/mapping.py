@@ -25,6 +25,7 @@ Megatron layouts (TP1, the "full" tensor):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -124,6 +125,13 @@ class Mapping:
         plain = type(self).unshard is Mapping.unshard and type(self).to_hf is Mapping.to_hf
         return plain and self.tp_dim == 0 and len(self.hf) == 1
 
+    def tp1_hf_rows(self, dims: ModelDims, rows: int, device) -> range | torch.Tensor | None:
+        """The HF tensors, laid end to end, as rows (dim 0) of the TP1 tensor of `rows` rows: `range(n)` where
+        they are its first n rows as they lie (a prefix copy), row indices (int64 on `device`) where they are
+        its rows in another order (one `index_select`: QKV); None where neither holds (a class that changes
+        `to_hf` says None unless it overrides this too). `transport.pack_bucket` batches its copies by it."""
+        return range(rows) if type(self).to_hf is Mapping.to_hf else None
+
     def shard_to_hf(self, shard: torch.Tensor, rank: int, size: int, dims: ModelDims, out: torch.Tensor) -> None:
         """Write TP rank `rank`'s shard (of `size`) into its place in the flat HF buffer that
         `unshard_to_hf` fills: the ranks' writes together equal `unshard_to_hf(shards)`, and each
@@ -187,6 +195,10 @@ class VocabMapping(Mapping):
     def hf_is_shards_in_order(self) -> bool:
         """The real vocabulary rows come first, the padding rows last: the shards end to end."""
         return type(self).to_hf is VocabMapping.to_hf and type(self).unshard is Mapping.unshard and self.tp_dim == 0
+
+    def tp1_hf_rows(self, dims, rows, device):
+        """The real vocabulary rows: the padding rows come last."""
+        return range(dims.vocab_size) if type(self).to_hf is VocabMapping.to_hf else None
 
     def unshard_to_hf(self, shards, dims, out):
         """The real vocabulary rows of the shards, in rank order; padding rows are never copied."""
@@ -257,6 +269,13 @@ class QKVMapping(Mapping):
         q, k, v = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
         return [t.reshape(-1, *rest) for t in (q, k, v)]
 
+    def tp1_hf_rows(self, dims, rows, device):
+        """Every query group's q rows, then every group's k rows, then its v rows."""
+        q_rows = dims.num_heads // dims.num_kv_heads * dims.head_dim
+        if type(self).to_hf is not QKVMapping.to_hf or rows != dims.num_kv_heads * (q_rows + 2 * dims.head_dim):
+            return None
+        return _qkv_rows(dims.num_kv_heads, q_rows, dims.head_dim, torch.device(device))
+
     def unshard_to_hf(self, shards, dims, out):
         """q, k, v straight from the shards (whole query groups each), split per group in one pass."""
         groups, head_dim = dims.num_kv_heads, dims.head_dim
@@ -322,6 +341,10 @@ class GateUpMapping(Mapping):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
+    def tp1_hf_rows(self, dims, rows, device):
+        """At TP1 `linear_fc1` is [gate; up]: the two HF tensors as they lie."""
+        return range(rows) if type(self).to_hf is GateUpMapping.to_hf else None
+
     def unshard_to_hf(self, shards, dims, out):
         """Every shard is [gate_r; up_r]: the gate halves, then the up halves, concatenated into `out`."""
         halves = [s.chunk(2, dim=0) for s in shards]
@@ -348,6 +371,14 @@ def _uses(mapping: Mapping, cls: type, *methods: str) -> bool:
     """Whether `mapping`'s class has `cls`'s own `methods` (a subclass that changes one of them
     loses the rules that `cls` derived from them)."""
     return all(getattr(type(mapping), m) is getattr(cls, m) for m in methods)
+
+
+@functools.lru_cache(maxsize=32)
+def _qkv_rows(groups: int, q_rows: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """`QKVMapping.tp1_hf_rows`: the fused tensor's row indices in q, k, v order (kept per device)."""
+    grouped = torch.arange(groups * (q_rows + 2 * head_dim)).view(groups, -1)
+    q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
+    return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)]).to(device)
 
 
 def _check_fits(mapping: Mapping, shape, expected) -> None:

@@ -135,6 +135,8 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
         for _, _, local in layouts:
             params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
             packed.append(pack_bucket(bucket, params, wmap.dims))
+            # the GPU's form (few launches) packs the same bytes
+            assert torch.equal(pack_bucket(bucket, params, wmap.dims, batched=True), packed[-1])
         gathered = torch.cat(packed) if bucket.sharded else packed[0]
         flat = unpack_bucket(bucket, gathered, wmap.dims)
         assert flat.buffer.is_contiguous() and flat.buffer.numel() == sum(e.numel for e in flat.entries)
@@ -230,6 +232,26 @@ def test_fused_unshard_to_hf_equals_the_mapping_rules(arch, tp):
         assert all(torch.equal(g, e) for g, e in zip(got, expected)), mapping.mcore
         assert torch.equal(torch.cat([t.reshape(-1) for t in expected]), out[:-5]), mapping.mcore  # in order
         assert out[-5:].isnan().all(), mapping.mcore  # nothing written past the HF tensors
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
+def test_tp1_hf_rows_are_the_hf_tensors_rows_of_the_tp1_tensor(arch):
+    """`Mapping.tp1_hf_rows` (what the GPU's batched pack copies by): the TP1 tensor's rows it names, in its
+    order, are the HF tensors laid end to end; a prefix where it says `range` (vocab padding left out), the
+    QKV order elsewhere; None for a kind with rules of its own and for a tensor of the wrong size."""
+    dims = describe_hf_config(tiny_hf_config(arch, num_layers=1))
+    torch.manual_seed(0)
+    kinds = set()
+    for mapping in WeightMap(dims).all_mappings():
+        full = torch.randn(_mcore_shape(mapping, dims, 2))
+        rows = mapping.tp1_hf_rows(dims, full.shape[0], "cpu")
+        expected = torch.cat([t.reshape(-1) for t in mapping.to_hf(full, dims)])
+        assert torch.equal(full[torch.as_tensor(rows)].reshape(-1), expected), mapping.mcore
+        kinds.add((type(mapping).__name__, isinstance(rows, range)))
+    assert kinds >= {("Mapping", True), ("VocabMapping", True), ("GateUpMapping", True), ("QKVMapping", False)}
+    assert _Transposed("x", ("a",), tp_dim=0).tp1_hf_rows(dims, 4, "cpu") is None
+    qkv = next(m for m in WeightMap(dims).all_mappings() if type(m).__name__ == "QKVMapping")
+    assert qkv.tp1_hf_rows(dims, 3, "cpu") is None
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])

@@ -107,7 +107,7 @@ class PlannedParam:
     def numel(self) -> int:
         return _numel(self.meta.shape)
 
-    @property
+    @functools.cached_property
     def hf_numel(self) -> int:
         """Elements of the HF tensors (fewer than the TP1 tensor's where vocab padding is dropped)."""
         return sum(_numel(spec.shape) for spec in self.hf)
@@ -156,7 +156,7 @@ class Bucket:
         """Elements after the TP gather (what the receiver holds)."""
         return self.local_numel * (self.tp_size if self.sharded else 1)
 
-    @property
+    @functools.cached_property
     def hf_numel(self) -> int:
         """Elements of the bucket's HF tensors (its flat buffer)."""
         return sum(p.hf_numel for p in self.params)
