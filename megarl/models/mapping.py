@@ -129,7 +129,7 @@ class Mapping:
         """The HF tensors, laid end to end, as rows (dim 0) of the TP1 tensor of `rows` rows: `range(n)` where
         they are its first n rows as they lie (a prefix copy), row indices (int64 on `device`) where they are
         its rows in another order (one `index_select`: QKV); None where neither holds (a class that changes
-        `to_hf` says None unless it overrides this too). `transport.pack_bucket` batches its copies by it."""
+        `to_hf` says None unless it overrides this too). `pack.pack_bucket` batches its copies by it."""
         return range(rows) if type(self).to_hf is Mapping.to_hf else None
 
     def shard_to_hf(self, shard: torch.Tensor, rank: int, size: int, dims: ModelDims, out: torch.Tensor) -> None:

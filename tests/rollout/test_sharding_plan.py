@@ -6,8 +6,8 @@ import torch
 from megarl.models.hf_config import describe_hf_config
 from megarl.models.mapping import Mapping, padded_vocab_size
 from megarl.models.weight_map import WeightMap
+from megarl.rollout.sharding.pack import pack_bucket, unpack_bucket, write_shards
 from megarl.rollout.sharding.plan import ParamMeta, PlanError, plan_sync
-from megarl.rollout.sharding.transport import pack_bucket, unpack_bucket, write_shards
 from megarl.testing.models import tiny_hf_config
 
 

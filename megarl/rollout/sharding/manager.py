@@ -24,10 +24,11 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from megarl.rollout.sharding.pack import unpack_bucket
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSpec, ParamMeta, SyncPlan, plan_sync
 from megarl.rollout.sharding.protocol import FlatBucket, Sender, WeightUpdateError
 from megarl.rollout.sharding.shm import ShmPeers, free_bytes, host_id, ring_room, same_host
-from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, lands_flat, stream_buckets, unpack_bucket
+from megarl.rollout.sharding.transport import KeptBuffers, SyncBuffers, lands_flat, stream_buckets
 
 
 @dataclass

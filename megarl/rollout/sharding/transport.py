@@ -1,7 +1,8 @@
 """Moving a planned bucket's bytes: pack shards, send them straight to the rollout ranks, unpack.
 
-Owns: `pack_bucket` / `unpack_bucket` (pure: flat buffer ↔ `FlatBucket` by the plan) and
-`stream_buckets`, the in-process transport run on every rank of one model replica. Per bucket,
+Owns: `stream_buckets`, the in-process transport run on every rank of one model replica (packing and
+unpacking a bucket, pure: `pack`), and the buffers it moves bytes in (`BufferRing`, `SyncBuffers`,
+`KeptBuffers`). Per bucket,
 every TP rank of the owning stage packs its shards into ONE flat buffer and sends it, point to
 point, to each rollout rank (a replicated bucket is sent by the stage's first TP rank only, packed
 in HF layout); a rollout rank receives the TP buffers straight into the rows of its gathered
@@ -32,8 +33,7 @@ so is a sharded bucket of one embedding or output layer, whose HF tensor is its 
 (`Bucket.arrives_flat`). A rollout rank that is itself a TP rank of the bucket's stage does not pack
 its own shards of a bucket that needs unpacking: unpacking reads them from its parameters (one copy
 of its share, not two).
-On a GPU a rank packs in few launches (`pack_bucket`'s `batched`: one `_foreach_copy_` per bucket, one
-`index_select` per QKV). Buffers are reused from bucket to bucket within a sync (fresh allocations cost page faults
+Buffers are reused from bucket to bucket within a sync (fresh allocations cost page faults
 comparable to the copy itself) unless the consumer keeps them (`fresh=True`: every yielded
 bucket gets its own buffer); after a sync they are freed, except on CPU, where the sharding
 manager keeps the rings for the next sync (`SyncBuffers`: a freed large buffer comes back as
@@ -52,116 +52,17 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding import writesums
+from megarl.rollout.sharding.pack import device_of, pack_bucket, write_shards
 from megarl.rollout.sharding.plan import Bucket
-from megarl.rollout.sharding.protocol import FlatBucket, alloc_flat
+from megarl.rollout.sharding.protocol import alloc_flat
 from megarl.rollout.sharding.shm import ShmPeers
 from megarl.rollout.sharding.writesums import WriteSums
-
-
-def pack_bucket(
-    bucket: Bucket,
-    local_params: dict,
-    dims,
-    out: Optional[torch.Tensor] = None,
-    batched: Optional[bool] = None,
-) -> torch.Tensor:
-    """This TP rank's part of the bucket, in one flat buffer [local_numel]: its shards (sharded
-    buckets) or the HF tensors of its parameters (replicated buckets).
-
-    `local_params` maps (vp_stage, chunk-local name) → the parameter tensor. `batched` (default: on a
-    GPU) makes the copies in few launches (`_pack_batched`); else one `copy_` per HF tensor, which is what
-    `writesums.WriteSums` sums as it goes (CPU).
-    """
-    buf = (
-        out
-        if out is not None
-        else torch.empty(bucket.local_numel, dtype=bucket.dtype, device=_device_of(bucket, local_params))
-    )
-    if buf.is_cuda if batched is None else batched:
-        _pack_batched(bucket, local_params, dims, buf)
-        return buf
-    for p in bucket.params:
-        _pack_param(bucket, p, local_params[(p.meta.vp_stage, p.meta.name)].detach(), dims, buf)
-    return buf
-
-
-def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -> None:
-    if bucket.sharded:
-        buf[p.offset : p.offset + p.numel].view(p.meta.shape).copy_(src)
-    else:
-        p.mapping.unshard_to_hf([src], dims, buf[p.offset : p.offset + p.hf_numel])
-
-
-def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> None:
-    """`pack_bucket` in few launches. On a GPU each copy is a kernel launch whose CPU cost (Python, dispatch:
-    ~50 µs an HF tensor on an H200 under gVisor) far exceeds its GPU time: `benchmarks/sync_device.py`'s sync
-    of 255 tensors took 10.5 ms copied one by one, 6.1 ms batched. Whole runs of rows (a TP shard; HF tensors that are the first rows of
-    their TP1 tensor, `Mapping.tp1_hf_rows`) go in one `torch._foreach_copy_`, rows in another order (QKV) in
-    one `index_select` each, anything else by its mapping's rule."""
-    dsts, srcs = [], []
-    for p in bucket.params:
-        src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
-        rows = None
-        if src.dim() > 0 and src.is_contiguous():
-            rows = range(src.shape[0]) if bucket.sharded else p.mapping.tp1_hf_rows(dims, src.shape[0], src.device)
-        if rows is None:
-            _pack_param(bucket, p, src, dims, buf)
-            continue
-        out = buf[p.offset : p.offset + len(rows) * (src.numel() // max(src.shape[0], 1))]
-        if isinstance(rows, range):
-            dsts.append(out)
-            srcs.append(src.view(-1)[: out.numel()])
-        else:
-            torch.index_select(src, 0, rows, out=out.view(len(rows), *src.shape[1:]))
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-
-
-def write_shards(bucket: Bucket, local_params: dict, dims, tp_rank: int, out: torch.Tensor) -> None:
-    """This TP rank's shards of a sharded bucket written straight into the flat bucket `out` (HF
-    layout; `Bucket.shards_write_flat`): the TP ranks' writes together are `unpack_bucket`'s result."""
-    cursor = 0
-    for p in bucket.params:
-        src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
-        p.mapping.shard_to_hf(src, tp_rank, bucket.tp_size, dims, out[cursor : cursor + p.hf_numel])
-        cursor += p.hf_numel
 
 
 def lands_flat(bucket: Bucket, peers: Optional[ShmPeers]) -> bool:
     """Whether the gathered buffer starts with the flat bucket once received: it `arrives_flat`,
     or its TP ranks write it in HF layout over shared memory (`Bucket.shards_write_flat`)."""
     return bucket.arrives_flat or (peers is not None and bucket.shards_write_flat)
-
-
-def unpack_bucket(
-    bucket: Bucket,
-    gathered: torch.Tensor,
-    dims,
-    out: Optional[torch.Tensor] = None,
-    own: Optional[tuple[int, dict]] = None,
-) -> FlatBucket:
-    """The flat bucket of HF tensors from the gathered buffer [rows * local_numel] (rows: TP size, or 1).
-
-    Sharded buckets are written into `out` (a flat buffer of ≥ `bucket.hf_numel` elements,
-    allocated when None); a bucket that `arrives_flat` (replicated, or one parameter whose shards
-    in order are its HF tensor) is the start of the gathered buffer itself. `own` = (row,
-    local_params): that row of a sharded bucket was never packed (a rollout rank that is itself a
-    TP rank of the bucket's stage); its shards are read from the parameters themselves, which
-    saves copying this rank's share twice.
-    """
-    if bucket.arrives_flat:
-        return FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
-    rows = gathered.view(bucket.tp_size, bucket.local_numel)
-    if out is None:
-        out = torch.empty(bucket.hf_numel, dtype=gathered.dtype, device=gathered.device)
-    cursor = 0
-    for p in bucket.params:
-        shards = [row[p.offset : p.offset + p.numel].view(p.meta.shape) for row in rows]
-        if own is not None:
-            shards[own[0]] = own[1][(p.meta.vp_stage, p.meta.name)].detach()
-        p.mapping.unshard_to_hf(shards, dims, out[cursor : cursor + p.hf_numel])
-        cursor += p.hf_numel
-    return FlatBucket(out[: bucket.hf_numel], bucket.entries)
 
 
 def stream_buckets(
@@ -354,7 +255,7 @@ def _send_ops(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, send
         for work in sends.popleft()[0]:
             work.wait()
     buf = pack_bucket(
-        bucket, local_params, dims, slots.take(bucket.local_numel, bucket.dtype, _device_of(bucket, local_params))
+        bucket, local_params, dims, slots.take(bucket.local_numel, bucket.dtype, device_of(bucket, local_params))
     )
     return [dist.P2POp(dist.isend, buf, d, group, tag=bucket.index) for d in targets]
 
@@ -381,7 +282,7 @@ def _receive_ops(
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
-    device = _device_of(bucket, local_params) if my_rank in sources else _default_device()
+    device = device_of(bucket, local_params) if my_rank in sources else _default_device()
     numel = len(sources) * bucket.local_numel
     flat = (
         kept.take(("gathered", bucket.index), numel, bucket.dtype, device, shared=slots.shared)
@@ -499,8 +400,3 @@ def _finish_receive(bucket, gathered, works, own_row, written):
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _device_of(bucket: Bucket, local_params: dict) -> torch.device:
-    first = bucket.params[0].meta
-    return local_params[(first.vp_stage, first.name)].device
