@@ -129,8 +129,9 @@ class Mapping:
         """The HF tensors, laid end to end, as rows (dim 0) of the TP1 tensor of `rows` rows: `range(n)` where
         they are its first n rows as they lie (a prefix copy), row indices (int64 on `device`) where they are
         its rows in another order (one `index_select`: QKV); None where neither holds (a class that changes
-        `to_hf` says None unless it overrides this too). `pack.pack_bucket` batches its copies by it."""
-        return range(rows) if type(self).to_hf is Mapping.to_hf else None
+        `unshard`, `to_hf` or `unshard_to_hf` says None unless it overrides this too). `pack.pack_bucket`
+        batches its copies by it: they stand for `unshard_to_hf([tp1_tensor])`."""
+        return range(rows) if _uses(self, Mapping, *_TP1_RULES) else None
 
     def shard_to_hf(self, shard: torch.Tensor, rank: int, size: int, dims: ModelDims, out: torch.Tensor) -> None:
         """Write TP rank `rank`'s shard (of `size`) into its place in the flat HF buffer that
@@ -198,7 +199,7 @@ class VocabMapping(Mapping):
 
     def tp1_hf_rows(self, dims, rows, device):
         """The real vocabulary rows: the padding rows come last."""
-        return range(dims.vocab_size) if type(self).to_hf is VocabMapping.to_hf else None
+        return range(dims.vocab_size) if _uses(self, VocabMapping, *_TP1_RULES) else None
 
     def unshard_to_hf(self, shards, dims, out):
         """The real vocabulary rows of the shards, in rank order; padding rows are never copied."""
@@ -272,7 +273,7 @@ class QKVMapping(Mapping):
     def tp1_hf_rows(self, dims, rows, device):
         """Every query group's q rows, then every group's k rows, then its v rows."""
         q_rows = dims.num_heads // dims.num_kv_heads * dims.head_dim
-        if type(self).to_hf is not QKVMapping.to_hf or rows != dims.num_kv_heads * (q_rows + 2 * dims.head_dim):
+        if not _uses(self, QKVMapping, *_TP1_RULES) or rows != dims.num_kv_heads * (q_rows + 2 * dims.head_dim):
             return None
         return _qkv_rows(dims.num_kv_heads, q_rows, dims.head_dim, torch.device(device))
 
@@ -343,7 +344,7 @@ class GateUpMapping(Mapping):
 
     def tp1_hf_rows(self, dims, rows, device):
         """At TP1 `linear_fc1` is [gate; up]: the two HF tensors as they lie."""
-        return range(rows) if type(self).to_hf is GateUpMapping.to_hf else None
+        return range(rows) if _uses(self, GateUpMapping, *_TP1_RULES) else None
 
     def unshard_to_hf(self, shards, dims, out):
         """Every shard is [gate_r; up_r]: the gate halves, then the up halves, concatenated into `out`."""
@@ -365,6 +366,10 @@ class GateUpMapping(Mapping):
     @property
     def writes_shards(self) -> bool:
         return self.tp_dim == 0 and _uses(self, GateUpMapping, "unshard", "to_hf", "unshard_to_hf", "shard_to_hf")
+
+
+_TP1_RULES = ("unshard", "to_hf", "unshard_to_hf")
+"""What `tp1_hf_rows` stands for: a class that changes one of them loses the rows its parent derived."""
 
 
 def _uses(mapping: Mapping, cls: type, *methods: str) -> bool:

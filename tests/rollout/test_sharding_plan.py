@@ -250,6 +250,7 @@ def test_tp1_hf_rows_are_the_hf_tensors_rows_of_the_tp1_tensor(arch):
         kinds.add((type(mapping).__name__, isinstance(rows, range)))
     assert kinds >= {("Mapping", True), ("VocabMapping", True), ("GateUpMapping", True), ("QKVMapping", False)}
     assert _Transposed("x", ("a",), tp_dim=0).tp1_hf_rows(dims, 4, "cpu") is None
+    assert _OwnUnshardToHF("x", ("a",), tp_dim=0).tp1_hf_rows(dims, 4, "cpu") is None
     qkv = next(m for m in WeightMap(dims).all_mappings() if type(m).__name__ == "QKVMapping")
     assert qkv.tp1_hf_rows(dims, 3, "cpu") is None
 
@@ -290,6 +291,13 @@ class _Transposed(Mapping):
 
     def to_hf(self, full, dims):
         return [full.t()]
+
+
+class _OwnUnshardToHF(Mapping):
+    """A mapping kind whose one-pass export differs from its parent's."""
+
+    def unshard_to_hf(self, shards, dims, out):
+        return super().unshard_to_hf([s.flip(0) for s in shards], dims, out)
 
 
 def _mcore_shape(mapping, dims, tp):
