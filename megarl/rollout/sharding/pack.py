@@ -53,9 +53,9 @@ def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -
 def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> None:
     """`pack_bucket` in few launches. On a GPU each copy is a kernel launch whose CPU cost (Python, dispatch:
     ~50 µs an HF tensor on an H200 under gVisor) far exceeds its GPU time: `benchmarks/sync_device.py`'s sync
-    of 255 tensors took 10.5 ms copied one by one, 6.1 ms batched. Whole runs of rows (a TP shard; HF tensors that are the first rows of
-    their TP1 tensor, `Mapping.tp1_hf_rows`) go in one `torch._foreach_copy_`, rows in another order (QKV) in
-    one `index_select` each, anything else by its mapping's rule."""
+    of 255 tensors took 10.5 ms copied one by one, 6.1 ms batched. Whole runs of rows (a TP shard; HF tensors
+    that are the first rows of their TP1 tensor, `Mapping.tp1_hf_rows`) go in one `torch._foreach_copy_`, rows
+    in another order (QKV) in one `index_select` each, anything else by its mapping's rule."""
     dsts, srcs = [], []
     for p in bucket.params:
         src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
