@@ -29,8 +29,8 @@
 #      launch per bucket, 0.74x from block sums; the check's share of the sync +26%, +45% from block sums).
 #   6. benchmarks/sync_device.py: the colocated in-process sync (sharding manager -> an embedded engine on the
 #      same GPU, which adopts the buckets) of a Qwen2-1.5B-sized Llama in bf16: bit-identical, the sleep giving
-#      the adopted buffers back, and bytes/s against a device copy (H200, 2026-11-28: 6.1 ms, 0.28x awake,
-#      8.1 ms, 0.21x after a wake-up; gather 0.37x).
+#      the adopted buffers back, and bytes/s against a device copy (H200, 2026-11-28, two runs: 5.7-6.1 ms,
+#      0.28-0.30x awake, 8.0-8.1 ms, 0.21-0.22x after a wake-up; gather 0.37-0.39x).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
