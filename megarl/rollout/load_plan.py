@@ -323,10 +323,14 @@ _IN_PLACE_DUNDERS = {
 
 def writes_into(func, args, kwargs, storages) -> bool:
     """Whether the call writes into the memory of a storage whose data pointer is in `storages` (a parameter's,
-    here; a weight bucket's, `writesums`): an in-place method (`mul_`, `__setitem__`, ...) on it, or an `out=`."""
+    here; a weight bucket's, `writesums`): an in-place method (`mul_`, `__setitem__`, ...) on it, an in-place
+    `torch._foreach_*_` on a list holding it, or an `out=`."""
     name = getattr(func, "__name__", "")
-    in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
-    targets = [args[0]] if in_place and args else []
+    if name.startswith("_foreach_") and name.endswith("_") and args:
+        targets = list(args[0])
+    else:
+        in_place = (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_DUNDERS
+        targets = [args[0]] if in_place and args else []
     out = kwargs.get("out")
     targets += list(out) if isinstance(out, (tuple, list)) else [out]
     return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages for t in targets)

@@ -135,8 +135,9 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
         for _, _, local in layouts:
             params = {(vp, name): t for (p, vp, name), t in local.items() if p == bucket.pp_rank}
             packed.append(pack_bucket(bucket, params, wmap.dims))
-            # the GPU's form (few launches) packs the same bytes
-            assert torch.equal(pack_bucket(bucket, params, wmap.dims, batched=True), packed[-1])
+            # the GPU's form (few launches) packs the same bytes, every one of them
+            nan = torch.full((bucket.local_numel,), float("nan"))
+            assert torch.equal(pack_bucket(bucket, params, wmap.dims, out=nan, batched=True), packed[-1])
         gathered = torch.cat(packed) if bucket.sharded else packed[0]
         flat = unpack_bucket(bucket, gathered, wmap.dims)
         assert flat.buffer.is_contiguous() and flat.buffer.numel() == sum(e.numel for e in flat.entries)
@@ -168,6 +169,22 @@ def test_pack_then_unpack_gives_flat_buckets_of_the_hf_tensors(arch, tp, pp, vpp
     assert got.keys() == hf.keys()
     for name in hf:
         assert torch.equal(got[name], hf[name]), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_parameter_of_another_shape_than_planned_fails_the_pack_either_way(tp):
+    """The batched pack sizes nothing from the parameter itself: one with a row more than its metadata said is
+    refused as the per-tensor pack refuses it, not copied over its neighbour's place."""
+    wmap, metas, local = fake_training_layout(_CONFIGS["llama"], tp, 1, value=None)
+    local = {key: torch.randn(t.shape) for key, t in local.items()}
+    plan = plan_sync(metas, wmap, tp_size=tp, pp_size=1, bucket_bytes=20_000)
+    bucket = next(b for b in plan.buckets if len(b.params) > 1)
+    params = {(vp, name): t for (_, vp, name), t in local.items()}
+    first = bucket.params[0].meta
+    params[(first.vp_stage, first.name)] = torch.randn(first.shape[0] + 1, *first.shape[1:])
+    for batched in (False, True):
+        with pytest.raises((RuntimeError, ValueError)):
+            pack_bucket(bucket, params, wmap.dims, batched=batched)
 
 
 def test_missing_stage_metadata_is_a_clear_error():

@@ -3,7 +3,7 @@
 Writers that each fill part of a flat bucket (column blocks of odd widths, so rows begin inside words;
 contiguous copies that run across tensors and past the bucket's end) sum what they write; added up, the sums
 equal `protocol.checksums` of the bucket, and the bytes land as `copy_` would put them. A write the mode
-cannot sum (an `out=`, rows that cross a tensor's end, an in-place op) makes its sums incomplete. The
+cannot sum (an `out=`, rows that cross a tensor's end, an in-place op, a `_foreach_` copy) makes its sums incomplete. The
 sharding manager's use (every bucket of a TP2×PP2 actor over shared memory) is checked in
 `test_sync_embedded.py`.
 """
@@ -82,6 +82,7 @@ def test_writes_it_cannot_sum_make_the_sums_incomplete():
             buffer[66:90].view(4, 6)[:, :3].copy_(torch.ones(4, 3, dtype=torch.bfloat16))
         ),
         "an in-place op": lambda: b.mul_(2),
+        "a foreach copy (the GPU's batched pack)": lambda: torch._foreach_copy_([b], [torch.ones(4, 6, dtype=b.dtype)]),
         "a dtype conversion": lambda: b.copy_(torch.ones(4, 6)),
     }
     for what, write in writes.items():

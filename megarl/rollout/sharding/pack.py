@@ -59,8 +59,8 @@ def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -
     dsts, srcs = [], []
     for p in bucket.params:
         src = local_params[(p.meta.vp_stage, p.meta.name)].detach()
-        rows = None
-        if src.dim() > 0 and src.is_contiguous():
+        rows = None  # a parameter of another shape than planned takes the per-tensor path, which says so
+        if src.dim() > 0 and src.is_contiguous() and tuple(src.shape) == tuple(p.meta.shape):
             rows = range(src.shape[0]) if bucket.sharded else p.mapping.tp1_hf_rows(dims, src.shape[0], src.device)
         if rows is None:
             _pack_param(bucket, p, src, dims, buf)
