@@ -65,7 +65,7 @@ def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -
         if rows is None:
             _pack_param(bucket, p, src, dims, buf)
             continue
-        out = buf[p.offset : p.offset + len(rows) * (src.numel() // max(src.shape[0], 1))]
+        out = buf[p.offset : p.offset + (p.numel if bucket.sharded else p.hf_numel)]  # `_pack_param`'s place
         if isinstance(rows, range):
             dsts.append(out)
             srcs.append(src.view(-1)[: out.numel()])
