@@ -5,15 +5,17 @@
 
 What a colocated vLLM engine's sync does on a GPU, without vLLM (its worker's loaders are replaced by
 one `param.copy_(view)` per tensor, which is what they do for an unfused, TP1 model): the trainer side
-packs the weights into kept flat buckets (`protocol.bucket_tensors`, then a copy per tensor each sync:
-the sharding manager's gather at TP1), `ipc.IpcChannel.serve` hands each bucket to an "engine" process
+packs the weights into kept flat buckets (`protocol.bucket_tensors`, then each sync, as the sharding
+manager's pack at TP1 on a GPU, one Triton launch a bucket that sums what it writes, `devicesum.copy_sums`;
+without Triton a copy per tensor), `ipc.IpcChannel.serve` hands each bucket to an "engine" process
 by handle (`reduce_tensor`: a CUDA IPC handle; kept buffers cross by handle once, then by token) with
-its per-tensor checksums (`protocol.checksums`), and the engine process (`ipc.receive_buckets`: maps
+its per-tensor checksums (the pack's, else `protocol.checksums` read back), and the engine process (`ipc.receive_buckets`: maps
 the bucket, checks the checksums, acks) copies every tensor into its own parameters.
 
 Checked before timing: after a verified sync the engine's parameters equal the weights bit for bit
 (per-tensor sums of the 16-bit words, computed on both sides); a bucket changed after its checksum was
-taken fails the update naming its tensor, and the next update (a new channel) succeeds; an unverified
+taken (read back by the channel, or, on a GPU, by the pack) fails the update naming its tensor, and the
+next update (a new channel) succeeds; an unverified
 sync into buffers the engine mapped earlier lands the new weights, with the copies into them still
 queued on the GPU when the bucket is announced.
 
@@ -22,12 +24,14 @@ Timed (best of --repeats, alternating, each ending with the device synchronized 
   * checksums       — `protocol.checksums` of every bucket (one read of the bytes; on a GPU one Triton
                       launch per bucket, `devicesum`);
   * pack            — the weights copied into the kept buckets (the trainer side's part of a sync);
-  * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them;
+    pack-per-tensor — the same a `copy_` per tensor;
+  * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them (the pack's);
+    ipc-sums-read-back — the same with the checksums read back after the pack, by the channel;
   * on a GPU, checksums-blocked / ipc-blocked-sums and checksums-per-tensor / ipc-per-tensor-sums — the
     same with the checksums' earlier GPU forms on both sides (`protocol._blocked_sums`: about ten kernels
     per bucket; `protocol._looped_sums`: a reduction per tensor).
 Prints each one's GB/s and its ratio against `copy` (bytes/s), and the integrity check's share of the
-verified sync (ipc / ipc-unverified - 1), per form.
+verified sync (ipc / ipc-unverified - 1), with the sums read back, and per form.
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ import dataclasses
 import os
 import time
 from multiprocessing.connection import Connection
+from typing import Optional
 from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
 
-from megarl.rollout.sharding import ipc, protocol
+from megarl.rollout.sharding import devicesum, ipc, protocol
 from megarl.rollout.sharding.protocol import WeightUpdateError, bucket_tensors, checksums
 
 
@@ -123,6 +128,7 @@ class Trainer:
             dataclasses.replace(b, kept=True)
             for b in bucket_tensors(list(self.weights.items()), args.bucket_mb << 20, shared=self.device == "cpu")
         ]
+        self.tables = self.copy_tables()
         self.flat = torch.empty(self.bytes // 2, dtype=dtype, device=self.device)
         self.flat_src = torch.randn(self.bytes // 2, device=self.device).to(dtype)
         context = mp.get_context("spawn")
@@ -131,8 +137,13 @@ class Trainer:
         self.process.start()
         self.channel = None
 
-    def sync(self, verify: bool) -> None:
-        self.pack()
+    def sync(self, verify: bool, pack_sums: bool = True) -> None:
+        """One update; `pack_sums`: the buckets carry the sums their one-launch pack took (GPU), else the channel
+        reads them back (`protocol.checksums`), as it did for every bucket before that pack."""
+        sums = self.pack()
+        buckets = self.buckets
+        if pack_sums and sums is not None:
+            buckets = [dataclasses.replace(b, sums=s) for b, s in zip(self.buckets, sums)]
         if self.channel is None or self.channel.closed:
             self.channel = ipc.IpcChannel(ipc._fresh_address(), os.urandom(16))
         channel = self.channel
@@ -143,12 +154,40 @@ class Trainer:
             if status != "ok":
                 raise WeightUpdateError(error)
 
-        channel.serve(self.buckets, receive, verify=verify)
+        channel.serve(buckets, receive, verify=verify)
 
-    def pack(self) -> None:
+    def pack(self) -> Optional[list[torch.Tensor]]:
+        """The weights into the kept buckets: on a GPU one launch a bucket that sums what it writes per tensor
+        (`devicesum.copy_sums`, as the sharding manager's pack does at TP 1), returning the sums; else a copy per
+        tensor (None)."""
+        if not self.tables:
+            self.pack_per_tensor()
+            return None
+        return [
+            devicesum.copy_sums(b.buffer.view(torch.int64), table, len(b.entries))
+            for b, table in zip(self.buckets, self.tables)
+        ]
+
+    def pack_per_tensor(self) -> None:
         for bucket in self.buckets:
             for name, view in bucket.tensors():
                 view.copy_(self.weights[name])
+
+    def copy_tables(self) -> list:
+        """Per bucket, `devicesum.copy_table` of its weights (each tensor whole, in 8-byte words); [] where the
+        one-launch pack cannot run (no Triton or no GPU)."""
+        if not devicesum.available(torch.device(self.device)):
+            return []
+        tables = []
+        for bucket in self.buckets:
+            size = bucket.buffer.element_size()
+            assert bucket.buffer.data_ptr() % 8 == 0 and all((e.offset * size) % 8 == 0 for e in bucket.entries)
+            segments = [
+                (self.weights[e.name].data_ptr(), e.offset * size // 8, e.numel * size // 8, i)
+                for i, e in enumerate(bucket.entries)
+            ]
+            tables.append(devicesum.copy_table(segments, bucket.buffer.device))
+        return tables
 
     def engine_sums(self) -> torch.Tensor:
         self.control.send(("sums",))
@@ -167,23 +206,9 @@ def check(trainer: Trainer) -> None:
     trainer.sync(verify=True)
     assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), "the engine's weights differ after a sync"
     target = trainer.buckets[len(trainer.buckets) // 2]
-    real = ipc.checksums
-
-    def racing(bucket):
-        sums = real(bucket)
-        if bucket is target:
-            bucket.buffer[0] += 1.0  # after the checksums: the bytes the engine maps are not the ones summed
-        return sums
-
-    ipc.checksums = racing
-    try:
-        trainer.sync(verify=True)
-        raise AssertionError("a corrupted bucket was loaded")
-    except WeightUpdateError as err:
-        assert target.entries[0].name in str(err), err
-        print(f"corrupted bucket refused: {err}")
-    finally:
-        ipc.checksums = real
+    refused(trainer, target, pack_sums=False)
+    if trainer.tables:  # the sums the one-launch pack took
+        refused(trainer, target, pack_sums=True)
     trainer.sync(verify=True)
     assert torch.equal(trainer.engine_sums(), word_sums(trainer.weights)), "the update after a refused one differs"
     check_unverified(trainer)
@@ -191,6 +216,33 @@ def check(trainer: Trainer) -> None:
         "check passed: verified and unverified syncs are bit-identical; a corrupted bucket is refused, the next"
         " update lands"
     )
+
+
+def refused(trainer: Trainer, target, pack_sums: bool) -> None:
+    """A bucket changed after its checksums were taken (by the pack, or read back by the channel) fails the
+    update, naming its first tensor."""
+    real_checksums, real_pack = ipc.checksums, trainer.pack
+
+    def racing(bucket):
+        sums = real_checksums(bucket)
+        if bucket.buffer.data_ptr() == target.buffer.data_ptr():
+            bucket.buffer[0] += 1.0  # after the checksums: the bytes the engine maps are not the ones summed
+        return sums
+
+    def corrupting_pack():
+        sums = real_pack()
+        target.buffer[0] += 1.0
+        return sums
+
+    ipc.checksums, trainer.pack = racing, corrupting_pack if pack_sums else real_pack
+    try:
+        trainer.sync(verify=True, pack_sums=pack_sums)
+        raise AssertionError("a corrupted bucket was loaded")
+    except WeightUpdateError as err:
+        assert target.entries[0].name in str(err), err
+        print(f"corrupted bucket refused ({'pack' if pack_sums else 'read-back'} sums): {err}")
+    finally:
+        ipc.checksums, trainer.pack = real_checksums, real_pack
 
 
 def check_unverified(trainer: Trainer) -> None:
@@ -255,14 +307,16 @@ def main() -> None:
             "copy": lambda: trainer.flat.copy_(trainer.flat_src),
             "checksums": lambda: [checksums(b) for b in trainer.buckets],
             "pack": trainer.pack,
+            "pack-per-tensor": trainer.pack_per_tensor,
             "ipc-unverified": lambda: trainer.sync(verify=False),
             "ipc": lambda: trainer.sync(verify=True),
+            "ipc-sums-read-back": lambda: trainer.sync(verify=True, pack_sums=False),
         }
         if args.device != "cpu":  # the GPU's checksums in one launch per bucket, against the earlier forms
             for form in ("blocked", "per-tensor"):
                 run = with_sums_form(trainer, form)
                 paths[f"checksums-{form}"] = lambda run=run: run(lambda: [checksums(b) for b in trainer.buckets])
-                paths[f"ipc-{form}-sums"] = lambda run=run: run(lambda: trainer.sync(verify=True))
+                paths[f"ipc-{form}-sums"] = lambda run=run: run(lambda: trainer.sync(verify=True, pack_sums=False))
         for fn in paths.values():  # warm-up: kernels, mappings
             fn()
         best = {name: float("inf") for name in paths}
@@ -276,7 +330,9 @@ def main() -> None:
             f"{name:20s} {seconds * 1e3:8.2f} ms  {trainer.bytes / seconds / 1e9:7.1f} GB/s"
             f"  {best['copy'] / seconds:5.2f}x of a copy"
         )
-    print(f"integrity check's share of the verified sync: {best['ipc'] / best['ipc-unverified'] - 1:+.1%}")
+    share = best["ipc"] / best["ipc-unverified"] - 1
+    print(f"integrity check's share of the verified sync: {share:+.1%}", "(the pack's sums)" if trainer.tables else "")
+    print(f"  with the sums read back after the pack: {best['ipc-sums-read-back'] / best['ipc-unverified'] - 1:+.1%}")
     for form in ("blocked", "per-tensor"):
         if f"ipc-{form}-sums" in best:
             print(f"  with {form} sums: {best[f'ipc-{form}-sums'] / best['ipc-unverified'] - 1:+.1%}")

@@ -16,7 +16,12 @@ many bytes of the engine's parameters are the sync's buffers and, on a GPU, how 
 
 Timed (best of --repeats, alternating, each ending with the device synchronized):
   * copy        — one `dst.copy_(src)` of the HF bytes (the memory floor);
-  * gather      — `ShardingManager.iter_weights()` consumed, no engine (the HF tensors built, bucket by bucket);
+  * gather      — `ShardingManager.iter_weights()` consumed, no engine (the HF tensors built, bucket by bucket;
+                  on a GPU one Triton launch a bucket, `pack.pack_bucket_summed`);
+  * gather + checksums — the same with each bucket's checksums, as a verified IPC sync's trainer side takes
+                  them: the pack's own (on a GPU it sums what it writes), else read back (`protocol.checksums`);
+  * gather, batched copies / gather + checksums, batched — both with the pack's earlier form (few launches a
+                  bucket, `pack._pack_batched`, whose checksums are read back): the baseline of the one launch;
   * in-process  — the sync into the engine, awake since the last one (it writes into the buffers it adopted);
   * in-process after a wake-up — the same after the engine slept and woke (untimed): what each step's sync
                   is in colocated training, where the engine sleeps through the training phases (new buffers,
@@ -103,8 +108,11 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
     hf_bytes = sum(t.numel() * t.element_size() for t in engine._params.values())
     src = torch.randn(hf_bytes // 2, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    paths = {"copy": lambda: dst.copy_(src), "gather": _consume(manager), "in-process": sync}
-    paths["in-process after a wake-up"] = sync  # each step's sync in colocated training: new buffers, adopted
+    summed = _summed_gather(manager)
+    sums_checked = summed()  # the one-launch pack's sums (GPU), else taken after: both checked here
+    paths = {"copy": lambda: dst.copy_(src), "gather": _consume(manager), "gather + checksums": summed}
+    paths |= {"gather, batched copies": _batched(_consume(manager)), "gather + checksums, batched": _batched(summed)}
+    paths |= {"in-process": sync, "in-process after a wake-up": sync}  # after a wake-up: new buffers, adopted
     setups = {"in-process after a wake-up": lambda: _sleep_and_wake(engine, device)}  # not timed
     best = {name: float("inf") for name in paths}
     for _ in range(repeats):
@@ -113,6 +121,7 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
             best[name] = min(best[name], timed(device, fn))
     return dict(
         best=best,
+        sums_from_pack=sums_checked,
         exact=exact,
         hf_bytes=hf_bytes,
         buckets=len(manager.plan.buckets),
@@ -120,6 +129,40 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
         adopted=adopted,
         freed=freed,
     )
+
+
+def _summed_gather(manager):
+    """The trainer's side of a verified IPC sync: every bucket gathered with its checksums (those the pack took
+    as it wrote the bucket, `pack.pack_bucket_summed`, else `protocol.checksums` read back, as `IpcChannel` takes
+    them). Each call returns how many buckets came with the pack's sums, checked against a read-back."""
+    from megarl.rollout.sharding.protocol import checksums
+
+    def run() -> int:
+        taken = 0
+        for bucket in manager.iter_buckets():
+            sums = bucket.sums if bucket.sums is not None else checksums(bucket)
+            taken += bucket.sums is not None
+            if check[0] and bucket.sums is not None and not torch.equal(bucket.sums, checksums(bucket)):
+                raise SystemExit(f"the pack's checksums of bucket {bucket.entries[0].name}... differ from a read-back")
+            sums.tolist()  # as the channel sends them: waits for the stream
+        check[0] = False
+        return taken
+
+    check = [True]
+    return run
+
+
+def _batched(fn):
+    """`fn` with the pack in few launches (`pack._pack_batched`, the form before the one launch): the baseline."""
+    from unittest import mock
+
+    from megarl.rollout.sharding import pack
+
+    def run():
+        with mock.patch.object(pack, "_pack_in_one_launch", lambda *args: None):
+            return fn()
+
+    return run
 
 
 def _sleep_and_wake(engine, device: str) -> int:
@@ -166,6 +209,9 @@ def main() -> None:
         "check passed: the engine holds the bridge's export bit for bit after each sync (and after a sleep and"
         f" wake-up); {result['adopted'] / 2**20:.1f} MiB of its parameters are the sync's buffers"
         + (f"; its sleep gave back {result['freed'] / 2**20:.1f} MiB of device memory" if args.device != "cpu" else "")
+    )
+    print(
+        f"{result['sums_from_pack']} of {result['buckets']} buckets came with the pack's checksums (equal to a read-back)"
     )
     for name, seconds in best.items():
         print(

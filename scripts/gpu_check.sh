@@ -25,12 +25,14 @@
 #      GPU, HF -> megatron-core distributed checkpoint -> HF, bit for bit;
 #   5. benchmarks/ipc_device.py: the IPC weight transport over CUDA IPC handles into another process, 3 GB
 #      of bf16 in 1 GB buckets: verified and unverified syncs bit-identical, a corrupted bucket refused
-#      naming its tensor, and bytes/s against a device copy (H200, 2026-11-26: checksums 1.65x of a copy in one Triton
-#      launch per bucket, 0.74x from block sums; the check's share of the sync +26%, +45% from block sums).
+#      naming its tensor (by the channel's read-back sums and by the one-launch pack's own), and bytes/s against
+#      a device copy (H200, 2026-11-28: the pack in one Triton launch a bucket 1.00x of a copy, a copy per tensor
+#      0.46x; checksums 1.72x; the check's share of the sync +25.6% with the pack's sums, +30.4% read back).
 #   6. benchmarks/sync_device.py: the colocated in-process sync (sharding manager -> an embedded engine on the
 #      same GPU, which adopts the buckets) of a Qwen2-1.5B-sized Llama in bf16: bit-identical, the sleep giving
-#      the adopted buffers back, and bytes/s against a device copy (H200, 2026-11-28, two runs: 5.7-6.1 ms,
-#      0.28-0.30x awake, 8.0-8.1 ms, 0.21-0.22x after a wake-up; gather 0.37-0.39x).
+#      the adopted buffers back, every bucket's one-launch sums equal to a read-back, and bytes/s against a
+#      device copy (H200, 2026-11-28: gather 3.55 ms, 0.48x, checksums included, against 4.75 / 6.37 ms for the
+#      few-launch pack without / with them read back; 5.18 ms, 0.33x awake; 7.81 ms, 0.22x after a wake-up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

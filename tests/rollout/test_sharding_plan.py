@@ -1,5 +1,7 @@
 """The sharding planner (pure): buckets respect the bound, every HF tensor appears exactly once."""
 
+import os
+
 import pytest
 import torch
 
@@ -341,3 +343,84 @@ def _expert_shapes(model, dims):
     from megarl.rollout.embedded import checkpoint_params
 
     return {n: tuple(p.shape) for n, p in checkpoint_params(model).items()} if dims.moe else {}
+
+
+_ONE_LAUNCH_CHECK = """
+import functools
+import itertools
+from unittest import mock
+import torch
+from test_sharding_plan import _CONFIGS, _shapes, fake_training_layout
+from megarl.models.hf_config import describe_hf_config
+from megarl.rollout.sharding import devicesum, pack, transport
+from megarl.rollout.sharding.plan import plan_sync
+from megarl.rollout.sharding.protocol import FlatBucket, checksums
+
+assert devicesum.available(torch.device("cpu"))
+devicesum.PIECE, devicesum.BLOCK = 256, 64  # runs of several pieces, pieces of several loop steps
+torch.manual_seed(0)
+summed = 0
+for arch, tp, pp, vpp in (("qwen2", 1, 2, 2), ("qwen2", 2, 2, 1), ("llama", 1, 1, 1), ("qwen3", 2, 1, 1)):
+    dims = describe_hf_config(_CONFIGS[arch])
+    hf = {n: torch.randn(s) for n, s in _shapes(dims).items() if not (n == "lm_head.weight" and dims.tie_word_embeddings)}
+    layouts = [fake_training_layout(_CONFIGS[arch], tp, pp, vpp, rank=r, value=hf) for r in range(tp)]
+    wmap, metas, _ = layouts[0]
+    plan = plan_sync(metas, wmap, tp_size=tp, pp_size=pp, bucket_bytes=20_000)
+    for bucket, (_, _, local) in itertools.product(plan.buckets, layouts):
+        # as megatron holds them: contiguous (the layout's row-parallel shards are views)
+        params = {(vp, name): t.contiguous() for (p, vp, name), t in local.items() if p == bucket.pp_rank}
+        for moved in (False, True):  # new parameters elsewhere in memory (the old ones alive): the table follows
+            if moved:
+                params = {key: t + 1.0 for key, t in params.items()}
+            reference = pack.pack_bucket(bucket, params, wmap.dims, batched=False)
+            nan = torch.full((bucket.local_numel,), float("nan"))
+            with mock.patch.object(pack, "_pack_batched", None):  # the one launch, or a TypeError
+                buf, sums = pack.pack_bucket_summed(bucket, params, wmap.dims, out=nan, batched=True)
+            assert torch.equal(buf, reference), (arch, bucket.index)
+            if bucket.sharded:
+                assert sums is None
+            else:
+                assert torch.equal(sums, checksums(FlatBucket(buf, bucket.entries))), (arch, bucket.index)
+                summed += 1
+    if tp == 1 and pp == 1:  # the rollout rank's own pack (GPU: batched) hands its sums to the sync
+        local_params = {(vp, name): t.contiguous() for (_, vp, name), t in layouts[0][2].items()}
+        batched = functools.partial(pack.pack_bucket_summed, batched=True)
+        with mock.patch.object(transport, "pack_bucket_summed", batched):
+            for bucket, gathered, _, sums in transport.stream_buckets(
+                plan.buckets, local_params, my_rank=0, stage_ranks={(0, 0): [0]}, dest_ranks=[0], my_source=(0, 0),
+                dims=wmap.dims
+            ):  # a buffer is valid until the next bucket is asked for
+                flat = FlatBucket(gathered.view(-1)[: bucket.hf_numel], bucket.entries)
+                assert sums is not None and torch.equal(sums, checksums(flat)), bucket.index
+                summed += 1
+        # a parameter that is not as planned (here: not contiguous) packs the other way, every byte the same
+        bucket = next(b for b in plan.buckets if any(len(p.meta.shape) == 2 for p in b.params))
+        key = next((p.meta.vp_stage, p.meta.name) for p in bucket.params if len(p.meta.shape) == 2)
+        local_params[key] = local_params[key].T.contiguous().T
+        buf, sums = pack.pack_bucket_summed(bucket, local_params, wmap.dims, batched=True)
+        assert sums is None and torch.equal(buf, pack.pack_bucket(bucket, local_params, wmap.dims, batched=False))
+print("ok", summed)
+"""
+
+
+def test_the_one_launch_pack_writes_the_same_bytes_and_the_checksums_of_the_bucket():
+    """The GPU's pack of a bucket in one Triton launch (`pack.pack_bucket_summed`: every run of rows copied as
+    8-byte words, summed per HF tensor as written), run by Triton's interpreter on CPU tensors (a fresh
+    interpreter: TRITON_INTERPRET is read when the kernel is defined): bit for bit the per-tensor pack of every
+    bucket (QKV split per group with its bias, gate/up, vocabulary rows, TP shards, PP and VPP stages), also
+    after the parameters moved in memory; a replicated bucket's sums equal `protocol.checksums` of the flat
+    bucket, and the transport yields them with it; a parameter not as planned takes the other path."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_LAUNCH_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    assert words[0] == "ok" and int(words[1]) > 10, done.stdout

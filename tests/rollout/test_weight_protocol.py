@@ -832,6 +832,8 @@ def test_the_device_ipc_benchmark_checks_pass(device):
     shared memory everywhere, so the benchmark does not rot between GPU sessions."""
     out = run_benchmark("ipc_device.py", "--device", device, "--quick", "--bucket-mb", "1", "--repeats", "1")
     assert "corrupted bucket refused" in out and "check passed" in out and "integrity check's share" in out, out
+    if device == "cuda":  # the one-launch pack's own sums are checked too
+        assert "corrupted bucket refused (pack sums)" in out, out
 
 
 @ON_EVERY_DEVICE
@@ -843,3 +845,6 @@ def test_the_device_sync_benchmark_checks_pass(device):
     assert "check passed" in out and "in-process" in out, out
     adopted = float(out.split("MiB of its parameters are the sync's buffers")[0].split()[-1])
     assert adopted > 0, out  # the engine took the sync's buckets as its parameters
+    if device == "cuda":  # every bucket packed in one launch, with its checksums (checked against a read-back)
+        taken, total = out.split(" buckets came with the pack's checksums")[0].split()[-3::2]
+        assert taken == total, out

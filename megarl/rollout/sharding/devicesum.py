@@ -1,4 +1,4 @@
-"""Per-tensor checksums of a bucket on a GPU in one kernel launch (Triton).
+"""Per-tensor checksums of a bucket on a GPU in one kernel launch (Triton); a bucket packed and summed in one.
 
 Owns: `span_sums(words, spans)`, the GPU form of `protocol.checksums`' per-span sums: for each byte span
 of a flat bucket, the wrapping int64 sum of the 8-byte words it touches. Torch needs a reduction per
@@ -8,6 +8,12 @@ layout into pieces of at most `PIECE` words (a table kept on the device, `_piece
 every piece and adds it into its span's sum (`tl.atomic_add`: integer addition, so the order does not
 matter and the result equals `words[span].sum()` bit for bit). One read of the bucket, one launch and a
 zero fill per bucket.
+
+`copy_sums(words, table, n)` packs a bucket and takes its checksums in the same pass: each segment is a
+run of 8-byte words at some address (a parameter's rows) copied into the bucket, and the words are summed
+per owner (the bucket's tensor they land in) as they are written — what `span_sums` would read back
+afterwards, where every tensor begins and ends on a word (`pack.pack_bucket_summed`: the GPU's sharding
+manager at TP 1, whose IPC sender then sums nothing).
 
 `available()` is False without Triton or a CUDA device, with `MEGARL_TRITON_SUMS=0`, and after the kernel
 failed to build or run once (logged as a warning, e.g. a GPU that Triton does not support); callers then keep
@@ -34,23 +40,46 @@ logger = logging.getLogger(__name__)
 
 
 def available(device: torch.device) -> bool:
-    """Whether `span_sums` can run on `device`'s tensors."""
+    """Whether `span_sums` and `copy_sums` can run on `device`'s tensors."""
     if os.environ.get("MEGARL_TRITON_SUMS", "1") == "0" or _FAILED:
         return False
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return _kernel() is not None
+    return _kernel("piece_sums") is not None
 
 
 def span_sums(words: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Per (start, end) byte span, the int64 sum of the words of `words` (1-D int64, contiguous) it touches
     (from word start // 8 up to the one holding its last byte, cut at the end of `words`)."""
-    kernel = _kernel()
+    kernel = _kernel("piece_sums")
     starts, counts, owners = _pieces(words.device, words.numel(), tuple(spans))
     sums = torch.zeros(len(spans), dtype=torch.int64, device=words.device)
     if starts.numel():
         kernel[(starts.numel(),)](words, starts, counts, owners, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return sums
+
+
+def copy_sums(words: torch.Tensor, table: tuple[torch.Tensor, ...], owners: int) -> torch.Tensor:
+    """Copy every segment of `table` (`copy_table`) into `words` (1-D int64, contiguous, not overlapping a
+    source); the per-owner int64 sums of the words written ([owners]), in one launch."""
+    kernel = _kernel("piece_copy_sums")
+    addresses, starts, counts, indices = table
+    sums = torch.zeros(owners, dtype=torch.int64, device=words.device)
+    if starts.numel():
+        kernel[(starts.numel(),)](addresses, words, starts, counts, indices, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return sums
+
+
+def copy_table(segments: list[tuple[int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The device table of `copy_sums` for segments (source byte address, first word of the destination, word
+    count, owner index): each source 8-byte aligned memory of `device`, cut into pieces of at most `PIECE` words.
+    The caller keeps it while the sources stay where they are (one host→device copy, not one per sync)."""
+    rows = [
+        (address + 8 * done, first + done, min(PIECE, count - done), owner)
+        for address, first, count, owner in segments
+        for done in range(0, count, PIECE)
+    ]
+    return tuple(torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64)[: len(rows)].T.contiguous().to(device))
 
 
 def disable(err: Exception) -> None:
@@ -78,9 +107,9 @@ def _pieces(device: torch.device, n: int, spans: tuple) -> tuple[torch.Tensor, t
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernel(name: str):
     try:
-        from megarl.rollout.sharding.sum_kernel import piece_sums
+        from megarl.rollout.sharding import sum_kernel
     except ImportError:
         return None
-    return piece_sums
+    return getattr(sum_kernel, name)

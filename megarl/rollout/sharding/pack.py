@@ -1,17 +1,20 @@
 """Packing a planned bucket: a TP rank's parameters → one flat buffer, and the gathered rows → the flat bucket of
 HF tensors. Pure torch on tensors, no process groups (`transport` moves the bytes between ranks).
 
-Owns: `pack_bucket` (a rank's shards, or a replicated bucket's HF tensors, in one flat buffer; on a GPU in few
-launches), `write_shards` (one TP rank's shards straight into the flat bucket, HF layout) and `unpack_bucket`
+Owns: `pack_bucket` (a rank's shards, or a replicated bucket's HF tensors, in one flat buffer; on a GPU in one
+Triton launch that also takes the bucket's checksums, `pack_bucket_summed`, else in few), `write_shards` (one TP rank's shards straight into the flat bucket, HF layout) and `unpack_bucket`
 (the TP rows → the flat bucket, each HF tensor written once by its mapping's rule, `Mapping.unshard_to_hf`).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Optional
 
 import torch
 
+from megarl.rollout.sharding import devicesum
 from megarl.rollout.sharding.plan import Bucket
 from megarl.rollout.sharding.protocol import FlatBucket
 
@@ -27,20 +30,34 @@ def pack_bucket(
     buckets) or the HF tensors of its parameters (replicated buckets).
 
     `local_params` maps (vp_stage, chunk-local name) → the parameter tensor. `batched` (default: on a
-    GPU) makes the copies in few launches (`_pack_batched`); else one `copy_` per HF tensor, which is what
-    `writesums.WriteSums` sums as it goes (CPU).
+    GPU) makes the copies in few launches (`_pack_in_one_launch`, else `_pack_batched`); else one `copy_`
+    per HF tensor, which is what `writesums.WriteSums` sums as it goes (CPU).
     """
+    return pack_bucket_summed(bucket, local_params, dims, out, batched)[0]
+
+
+def pack_bucket_summed(
+    bucket: Bucket,
+    local_params: dict,
+    dims,
+    out: Optional[torch.Tensor] = None,
+    batched: Optional[bool] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`pack_bucket`, and a replicated bucket's per-tensor checksums (`protocol.checksums` of the flat bucket it
+    is) where the pack took them as it wrote it (one launch on a GPU, `_pack_in_one_launch`); else None."""
     buf = (
         out
         if out is not None
         else torch.empty(bucket.local_numel, dtype=bucket.dtype, device=device_of(bucket, local_params))
     )
-    if buf.is_cuda if batched is None else batched:
+    if not (buf.is_cuda if batched is None else batched):
+        for p in bucket.params:
+            _pack_param(bucket, p, local_params[(p.meta.vp_stage, p.meta.name)].detach(), dims, buf)
+        return buf, None
+    sums = _pack_in_one_launch(bucket, local_params, dims, buf)
+    if sums is None:
         _pack_batched(bucket, local_params, dims, buf)
-        return buf
-    for p in bucket.params:
-        _pack_param(bucket, p, local_params[(p.meta.vp_stage, p.meta.name)].detach(), dims, buf)
-    return buf
+    return buf, None if bucket.sharded else sums
 
 
 def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -> None:
@@ -50,8 +67,103 @@ def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -
         p.mapping.unshard_to_hf([src], dims, buf[p.offset : p.offset + p.hf_numel])
 
 
+def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> Optional[torch.Tensor]:
+    """`pack_bucket` as one Triton launch that copies every run of words (`devicesum.copy_sums`; the runs:
+    `_copy_runs`) and sums them per HF tensor as it writes them; its sums (a sharded bucket's are of no
+    tensor). None, with nothing written, where it cannot: no kernel here, a run off an 8-byte word, or a
+    parameter not as planned (its shape, contiguous, the buffer's dtype and device). A kernel that fails to
+    build or run is not tried again (`devicesum.disable`)."""
+    runs = _copy_runs(bucket, dims, buf.element_size())
+    if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device):
+        return None
+    addresses, device = [], buf.get_device()
+    for p in bucket.params:
+        src = local_params[(p.meta.vp_stage, p.meta.name)]
+        if src.shape != p.meta.shape or src.dtype != buf.dtype or src.get_device() != device:
+            return None
+        address = src.data_ptr()
+        if address % 8 or not src.is_contiguous():
+            return None
+        addresses.append(address)
+    key = ("copy table", str(buf.device), tuple(addresses))
+    kept = bucket.memo.get(key[:2])
+    if kept is None or kept[0] != key:  # the table names the sources by address: kept while they stay put
+        segments = [
+            (address + first, at, count, owner)
+            for address, param_runs in zip(addresses, runs)
+            for first, at, count, owner in param_runs
+        ]
+        kept = bucket.memo[key[:2]] = (key, devicesum.copy_table(segments, buf.device))
+    words = buf.view(torch.uint8)[: buf.numel() * buf.element_size() // 8 * 8].view(torch.int64)
+    try:
+        return devicesum.copy_sums(words, kept[1], max(len(bucket.entries), 1))
+    except Exception as err:  # noqa: BLE001 - Triton failing to build or run the kernel on this GPU
+        devicesum.disable(err)
+        return None
+
+
+def _copy_runs(bucket: Bucket, dims, itemsize: int) -> Optional[tuple]:
+    """Per parameter, its copy into the bucket as runs (source byte offset, first bucket word, words, owner): a
+    shard whole (sharded buckets; owner 0), else its HF tensors' rows as they lie in its TP1 tensor
+    (`Mapping.tp1_hf_rows`) cut where the bucket's tensors begin (owner: the tensor's entry). None where a
+    parameter's HF tensors are not rows of it, or a run begins or ends inside a word. Derived once per bucket."""
+    key = ("copy runs", dims, itemsize)
+    if key not in bucket.memo:
+        bucket.memo[key] = _plan_copy_runs(bucket, dims, itemsize)
+    return bucket.memo[key]
+
+
+def _plan_copy_runs(bucket: Bucket, dims, itemsize: int) -> Optional[tuple]:
+    starts = [entry.offset for entry in bucket.entries]
+    plan = []
+    for p in bucket.params:
+        shape = tuple(p.meta.shape)
+        if bucket.sharded:
+            runs = [(0, p.offset, p.numel, 0)]
+        else:
+            rows = p.mapping.tp1_hf_rows(dims, shape[0], "cpu") if shape else None
+            if rows is None:
+                return None
+            row, at, runs = math.prod(shape[1:]), p.offset, []
+            for first, count in _row_runs(rows):
+                runs += _cut(first * row, at, count * row, starts)
+                at += count * row
+            if at != p.offset + p.hf_numel:
+                return None
+        in_bytes = [(first * itemsize, at * itemsize, count * itemsize, owner) for first, at, count, owner in runs]
+        if any(value % 8 for run in in_bytes for value in run[:3]):
+            return None
+        plan.append(tuple((first, at // 8, count // 8, owner) for first, at, count, owner in in_bytes))
+    return tuple(plan)
+
+
+def _row_runs(rows) -> list[tuple[int, int]]:
+    """(first row, rows) of each run of consecutive rows in `rows` (a range, or an index tensor)."""
+    if isinstance(rows, range):
+        return [(rows.start, len(rows))] if rows.step == 1 else [(r, 1) for r in rows]
+    runs: list[list[int]] = []
+    for row in rows.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1])
+    return [tuple(run) for run in runs]
+
+
+def _cut(first: int, at: int, count: int, starts: list[int]) -> list[tuple[int, int, int, int]]:
+    """A run of `count` elements from source element `first` to bucket element `at`, cut where the bucket's
+    tensors begin (`starts`): (first, at, count, tensor index) each."""
+    index, runs = bisect.bisect_right(starts, at) - 1, []
+    while count:
+        upper = starts[index + 1] if index + 1 < len(starts) else at + count
+        take = min(count, upper - at)
+        runs.append((first, at, take, index))
+        first, at, count, index = first + take, at + take, count - take, index + 1
+    return runs
+
+
 def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> None:
-    """`pack_bucket` in few launches. On a GPU each copy is a kernel launch whose CPU cost (Python, dispatch:
+    """`pack_bucket` in few launches, where the one launch cannot (no Triton, a run off a word). On a GPU each copy is a kernel launch whose CPU cost (Python, dispatch:
     ~50 µs an HF tensor on an H200 under gVisor) far exceeds its GPU time: `benchmarks/sync_device.py`'s sync
     of 255 tensors took 10.5 ms copied one by one, 6.1 ms batched. Whole runs of rows (a TP shard; HF tensors
     that are the first rows of their TP1 tensor, `Mapping.tp1_hf_rows`) go in one `torch._foreach_copy_`, rows

@@ -162,6 +162,12 @@ class Bucket:
         return sum(p.hf_numel for p in self.params)
 
     @functools.cached_property
+    def memo(self) -> dict:
+        """What code that reads the bucket every sync derives from it once (`pack`'s one-launch copy runs, per
+        model dims); not part of the plan."""
+        return {}
+
+    @functools.cached_property
     def entries(self) -> tuple[HFSlot, ...]:
         """Every HF tensor's place in the bucket's flat buffer: contiguous, in order, from 0."""
         slots, offset = [], 0

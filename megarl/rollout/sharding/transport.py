@@ -24,7 +24,9 @@ writes its shards straight into the flat bucket in HF layout (`write_shards`): t
 flat bucket when the last "written" arrives and the rollout rank unpacks nothing. Into a bucket that
 lands flat that way, every writer copies under `writesums.WriteSums` and its "written" carries the
 per-tensor word sums of what it wrote: added up, they are the bucket's checksums (`protocol.checksums`),
-which the rollout rank yields with it, so a verifying sender does not read the bucket again.
+which the rollout rank yields with it, so a verifying sender does not read the bucket again. On a GPU a
+rollout rank that packs a whole bucket itself (its stage's only source: TP 1, or a replicated bucket) sums it
+in the same launch (`pack.pack_bucket_summed`), to the same end.
 
 Unpacking writes every HF tensor once, with the mapping's own rule (`Mapping.unshard_to_hf`: QKV
 split per query group and gate/up per shard in the same pass, vocab padding never copied), into
@@ -52,7 +54,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megarl.rollout.sharding import writesums
-from megarl.rollout.sharding.pack import device_of, pack_bucket, write_shards
+from megarl.rollout.sharding.pack import device_of, pack_bucket, pack_bucket_summed, write_shards
 from megarl.rollout.sharding.plan import Bucket
 from megarl.rollout.sharding.protocol import alloc_flat
 from megarl.rollout.sharding.shm import ShmPeers
@@ -132,7 +134,8 @@ def stream_buckets(
                     bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
                 )
             works = _post(send_ops + recv_ops)
-            write_own()
+            own = write_own()  # the sums of what it wrote where it took them: the flat bucket's checksums
+            written += [own] if own is not None else []
             if send_ops:
                 sends.append((works[: len(send_ops)], send_ops[0].tensor))
             recv_works = works[len(send_ops) :]
@@ -278,7 +281,7 @@ def _receive_ops(
     `unpack_bucket`). With `peers`, a remote row's "receive" is sending its sender the row's place and
     receiving "written" (with the sums of what it wrote, `_summed`); where the shards write flat, the place is
     the buffer's start and every rank writes in HF layout. With `peers`, the own write returns its "written"
-    message too."""
+    message too; without, where it took the sums of a whole bucket (`_pack_own`), else None."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -306,11 +309,20 @@ def _receive_ops(
             write_own = functools.partial(_summed, bucket, flat, 0, write)
         elif not bucket.arrives_flat:
             own_row = row
-        else:
+        elif peers is not None:
             write = functools.partial(pack_bucket, bucket, local_params, dims, out=gathered[row])
-            summed = functools.partial(_summed, bucket, gathered[row], row * bucket.local_numel, write)
-            write_own = summed if peers is not None else write
+            write_own = functools.partial(_summed, bucket, gathered[row], row * bucket.local_numel, write)
+        else:
+            write_own = functools.partial(_pack_own, bucket, local_params, dims, gathered[row], len(sources) == 1)
     return gathered, ops, own_row, write_own, written
+
+
+def _pack_own(bucket: Bucket, local_params: dict, dims, out: torch.Tensor, whole: bool) -> Optional[torch.Tensor]:
+    """Pack this rank's row of a bucket that lands flat; where the row is the `whole` bucket and the pack summed
+    what it wrote (a GPU's one-launch pack, `pack_bucket_summed`), its "written" message with those sums (on the
+    GPU: `_added` takes it as complete)."""
+    _, sums = pack_bucket_summed(bucket, local_params, dims, out=out)
+    return torch.cat((sums.new_ones(1), sums)) if whole and sums is not None else None
 
 
 def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> tuple:
@@ -369,13 +381,14 @@ def _no_sums(bucket: Bucket) -> torch.Tensor:
 def _added(bucket: Bucket, written: Optional[list]) -> Optional[torch.Tensor]:
     """The flat bucket's checksums from its writers' "written" messages; None where there are none, where a
     writer could not sum all it wrote, or where a tensor begins or ends inside a word (its checksum then counts
-    a neighbour's bytes of that word, which its writers did not sum for it)."""
+    a neighbour's bytes of that word, which its writers did not sum for it). A message on a GPU is a one-launch
+    pack's (`_pack_own`), complete by construction: its flag is not read, which would wait for the GPU."""
     size = torch.empty((), dtype=bucket.dtype).element_size()
-    if not written or any(int(m[0]) != 1 for m in written):
+    if not written or any(not m.is_cuda and int(m[0]) != 1 for m in written):
         return None
     if any((e.offset * size) % 8 or ((e.offset + e.numel) * size) % 8 for e in bucket.entries):
         return None
-    return torch.stack(written).sum(0)[1:]
+    return written[0][1:] if len(written) == 1 else torch.stack(written).sum(0)[1:]
 
 
 def _nothing() -> None:
