@@ -182,6 +182,7 @@ class Trainer:
         for bucket in self.buckets:
             size = bucket.buffer.element_size()
             assert bucket.buffer.data_ptr() % 8 == 0 and all((e.offset * size) % 8 == 0 for e in bucket.entries)
+            assert (bucket.entries[-1].offset + bucket.entries[-1].numel) * size % 8 == 0
             segments = [
                 (self.weights[e.name].data_ptr(), e.offset * size // 8, e.numel * size // 8, i)
                 for i, e in enumerate(bucket.entries)
@@ -234,7 +235,10 @@ def refused(trainer: Trainer, target, pack_sums: bool) -> None:
         target.buffer[0] += 1.0
         return sums
 
-    ipc.checksums, trainer.pack = racing, corrupting_pack if pack_sums else real_pack
+    def not_read_back(bucket):
+        raise AssertionError("the channel read checksums back where the pack's came with the bucket")
+
+    ipc.checksums, trainer.pack = (not_read_back, corrupting_pack) if pack_sums else (racing, real_pack)
     try:
         trainer.sync(verify=True, pack_sums=pack_sums)
         raise AssertionError("a corrupted bucket was loaded")

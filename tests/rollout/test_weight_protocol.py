@@ -836,6 +836,15 @@ def test_the_device_ipc_benchmark_checks_pass(device):
         assert "corrupted bucket refused (pack sums)" in out, out
 
 
+def test_the_ipc_benchmark_refuses_a_bucket_changed_after_the_packs_own_sums(monkeypatch):
+    """The same benchmark with its one-launch pack (the GPU's, `devicesum.copy_sums`) run by Triton's interpreter
+    on CPU: the buckets carry the sums the pack took as it wrote them, the channel reads none back (it would
+    fail), and a bucket changed after its pack is refused naming its tensor."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = run_benchmark("ipc_device.py", "--device", "cpu", "--quick", "--bucket-mb", "1", "--repeats", "1")
+    assert "corrupted bucket refused (pack sums)" in out and "check passed" in out, out
+
+
 @ON_EVERY_DEVICE
 def test_the_device_sync_benchmark_checks_pass(device):
     """`benchmarks/sync_device.py` (the colocated in-process sync on one GPU, `scripts/gpu_check.sh`): its engine,

@@ -23,6 +23,7 @@ on CPU tensors: the tests check it that way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -55,7 +56,8 @@ def span_sums(words: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor
     starts, counts, owners = _pieces(words.device, words.numel(), tuple(spans))
     sums = torch.zeros(len(spans), dtype=torch.int64, device=words.device)
     if starts.numel():
-        kernel[(starts.numel(),)](words, starts, counts, owners, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        with _on(words.device):
+            kernel[(starts.numel(),)](words, starts, counts, owners, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return sums
 
 
@@ -66,7 +68,8 @@ def copy_sums(words: torch.Tensor, table: tuple[torch.Tensor, ...], owners: int)
     addresses, starts, counts, indices = table
     sums = torch.zeros(owners, dtype=torch.int64, device=words.device)
     if starts.numel():
-        kernel[(starts.numel(),)](addresses, words, starts, counts, indices, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        with _on(words.device):  # Triton launches on the current device; the table holds raw addresses
+            kernel[(starts.numel(),)](addresses, words, starts, counts, indices, sums, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return sums
 
 
@@ -104,6 +107,13 @@ def _pieces(device: torch.device, n: int, spans: tuple) -> tuple[torch.Tensor, t
             _TABLES.popitem(last=False)
     _TABLES.move_to_end(key)
     return table
+
+
+def _on(device: torch.device):
+    """A context that makes `device` the current CUDA device where it is another GPU (Triton launches there)."""
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 @functools.lru_cache(maxsize=None)

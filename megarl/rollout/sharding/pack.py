@@ -85,18 +85,20 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
         if address % 8 or not src.is_contiguous():
             return None
         addresses.append(address)
-    key = ("copy table", str(buf.device), tuple(addresses))
-    kept = bucket.memo.get(key[:2])
-    if kept is None or kept[0] != key:  # the table names the sources by address: kept while they stay put
+    key = ("copy table", str(buf.device), dims, buf.element_size())  # the runs' own key, and the device
+    kept = bucket.memo.get(key)
+    if kept is None or kept[0] != addresses:  # the table names the sources by address: kept while they stay put
         segments = [
             (address + first, at, count, owner)
             for address, param_runs in zip(addresses, runs)
             for first, at, count, owner in param_runs
         ]
-        kept = bucket.memo[key[:2]] = (key, devicesum.copy_table(segments, buf.device))
+        kept = bucket.memo[key] = (addresses, devicesum.copy_table(segments, buf.device))
     words = buf.view(torch.uint8)[: buf.numel() * buf.element_size() // 8 * 8].view(torch.int64)
     try:
-        return devicesum.copy_sums(words, kept[1], max(len(bucket.entries), 1))
+        return devicesum.copy_sums(words, kept[1], len(bucket.entries))
+    except torch.cuda.OutOfMemoryError:
+        raise
     except Exception as err:  # noqa: BLE001 - Triton failing to build or run the kernel on this GPU
         devicesum.disable(err)
         return None

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -123,8 +123,7 @@ def stream_buckets(
             )
         if peers is not None:  # places first: a rank that is also a sender then waits for its receivers'
             recv_works = _post(recv_ops)
-            own = write_own()  # while the other TP ranks write theirs
-            written += [own] if own is not None else []
+            written += _listed(write_own())  # while the other TP ranks write theirs
             if bucket.source == my_source:
                 sends.append(_write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers, group))
         else:
@@ -134,8 +133,7 @@ def stream_buckets(
                     bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, sends, buffers.send, group
                 )
             works = _post(send_ops + recv_ops)
-            own = write_own()  # the sums of what it wrote where it took them: the flat bucket's checksums
-            written += [own] if own is not None else []
+            written += _listed(write_own())  # the sums of what it wrote, where it took them (`_pack_own`)
             if send_ops:
                 sends.append((works[: len(send_ops)], send_ops[0].tensor))
             recv_works = works[len(send_ops) :]
@@ -281,7 +279,7 @@ def _receive_ops(
     `unpack_bucket`). With `peers`, a remote row's "receive" is sending its sender the row's place and
     receiving "written" (with the sums of what it wrote, `_summed`); where the shards write flat, the place is
     the buffer's start and every rank writes in HF layout. With `peers`, the own write returns its "written"
-    message too; without, where it took the sums of a whole bucket (`_pack_own`), else None."""
+    message too; without, a `PackSums` where it took the sums of a whole bucket (`_pack_own`), else None."""
     import torch.distributed as dist
 
     sources = _sources(bucket, stage_ranks)
@@ -317,12 +315,19 @@ def _receive_ops(
     return gathered, ops, own_row, write_own, written
 
 
-def _pack_own(bucket: Bucket, local_params: dict, dims, out: torch.Tensor, whole: bool) -> Optional[torch.Tensor]:
+class PackSums(NamedTuple):
+    """The "written" message of a rollout rank's own pack of a whole bucket that summed what it wrote (a GPU's
+    one launch, `_pack_own`): complete by construction, its sums left where they are (on the GPU: reading a
+    flag back would wait for it)."""
+
+    sums: torch.Tensor
+
+
+def _pack_own(bucket: Bucket, local_params: dict, dims, out: torch.Tensor, whole: bool) -> Optional[PackSums]:
     """Pack this rank's row of a bucket that lands flat; where the row is the `whole` bucket and the pack summed
-    what it wrote (a GPU's one-launch pack, `pack_bucket_summed`), its "written" message with those sums (on the
-    GPU: `_added` takes it as complete)."""
+    what it wrote (`pack_bucket_summed`), its "written" message with those sums."""
     _, sums = pack_bucket_summed(bucket, local_params, dims, out=out)
-    return torch.cat((sums.new_ones(1), sums)) if whole and sums is not None else None
+    return PackSums(sums) if whole and sums is not None else None
 
 
 def _write_rows(bucket, local_params, dims, my_rank, stage_ranks, dest_ranks, peers: ShmPeers, group) -> tuple:
@@ -381,14 +386,21 @@ def _no_sums(bucket: Bucket) -> torch.Tensor:
 def _added(bucket: Bucket, written: Optional[list]) -> Optional[torch.Tensor]:
     """The flat bucket's checksums from its writers' "written" messages; None where there are none, where a
     writer could not sum all it wrote, or where a tensor begins or ends inside a word (its checksum then counts
-    a neighbour's bytes of that word, which its writers did not sum for it). A message on a GPU is a one-launch
-    pack's (`_pack_own`), complete by construction: its flag is not read, which would wait for the GPU."""
+    a neighbour's bytes of that word, which its writers did not sum for it). A `PackSums` is the only writer's."""
     size = torch.empty((), dtype=bucket.dtype).element_size()
-    if not written or any(not m.is_cuda and int(m[0]) != 1 for m in written):
+    if not written or any(not isinstance(m, PackSums) and int(m[0]) != 1 for m in written):
         return None
     if any((e.offset * size) % 8 or ((e.offset + e.numel) * size) % 8 for e in bucket.entries):
         return None
-    return written[0][1:] if len(written) == 1 else torch.stack(written).sum(0)[1:]
+    if isinstance(written[0], PackSums):
+        assert len(written) == 1, "a rollout rank's own summed pack is the bucket's only writer"
+        return written[0].sums
+    return torch.stack(written).sum(0)[1:]
+
+
+def _listed(message) -> list:
+    """The own write's "written" message as a list to add to the others' (empty where it sent none)."""
+    return [] if message is None else [message]
 
 
 def _nothing() -> None:
