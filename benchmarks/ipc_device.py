@@ -9,8 +9,8 @@ packs the weights into kept flat buckets (`protocol.bucket_tensors`, then each s
 manager's pack at TP1 on a GPU, one Triton launch a bucket that sums what it writes, `devicesum.copy_sums`;
 without Triton a copy per tensor), `ipc.IpcChannel.serve` hands each bucket to an "engine" process
 by handle (`reduce_tensor`: a CUDA IPC handle; kept buffers cross by handle once, then by token) with
-its per-tensor checksums (the pack's, else `protocol.checksums` read back), and the engine process (`ipc.receive_buckets`: maps
-the bucket, checks the checksums, acks) copies every tensor into its own parameters.
+its per-tensor checksums (the pack's, else `protocol.checksums` read back), and the engine process
+(`ipc.receive_buckets`: maps the bucket, checks the checksums, acks) copies every tensor into its own parameters.
 
 Checked before timing: after a verified sync the engine's parameters equal the weights bit for bit
 (per-tensor sums of the 16-bit words, computed on both sides); a bucket changed after its checksum was

@@ -210,9 +210,8 @@ def main() -> None:
         f" wake-up); {result['adopted'] / 2**20:.1f} MiB of its parameters are the sync's buffers"
         + (f"; its sleep gave back {result['freed'] / 2**20:.1f} MiB of device memory" if args.device != "cpu" else "")
     )
-    print(
-        f"{result['sums_from_pack']} of {result['buckets']} buckets came with the pack's checksums (equal to a read-back)"
-    )
+    taken = f"{result['sums_from_pack']} of {result['buckets']} buckets"
+    print(f"{taken} came with the pack's checksums (equal to a read-back)")
     for name, seconds in best.items():
         print(
             f"{name:26s} {seconds * 1e3:8.2f} ms  {nbytes / seconds / 1e9:7.1f} GB/s"

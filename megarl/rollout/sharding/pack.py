@@ -2,8 +2,9 @@
 HF tensors. Pure torch on tensors, no process groups (`transport` moves the bytes between ranks).
 
 Owns: `pack_bucket` (a rank's shards, or a replicated bucket's HF tensors, in one flat buffer; on a GPU in one
-Triton launch that also takes the bucket's checksums, `pack_bucket_summed`, else in few), `write_shards` (one TP rank's shards straight into the flat bucket, HF layout) and `unpack_bucket`
-(the TP rows → the flat bucket, each HF tensor written once by its mapping's rule, `Mapping.unshard_to_hf`).
+Triton launch that also takes the bucket's checksums, `pack_bucket_summed`, else in few), `write_shards` (one TP
+rank's shards straight into the flat bucket, HF layout) and `unpack_bucket` (the TP rows → the flat bucket, each HF
+tensor written once by its mapping's rule, `Mapping.unshard_to_hf`).
 """
 
 from __future__ import annotations
@@ -165,9 +166,10 @@ def _cut(first: int, at: int, count: int, starts: list[int]) -> list[tuple[int, 
 
 
 def _pack_batched(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> None:
-    """`pack_bucket` in few launches, where the one launch cannot (no Triton, a run off a word). On a GPU each copy is a kernel launch whose CPU cost (Python, dispatch:
-    ~50 µs an HF tensor on an H200 under gVisor) far exceeds its GPU time: `benchmarks/sync_device.py`'s sync
-    of 255 tensors took 10.5 ms copied one by one, 6.1 ms batched. Whole runs of rows (a TP shard; HF tensors
+    """`pack_bucket` in few launches, where the one launch cannot (no Triton, a run off a word). On a GPU each
+    copy is a kernel launch whose CPU cost (Python, dispatch: ~50 µs an HF tensor on an H200 under gVisor) far
+    exceeds its GPU time: `benchmarks/sync_device.py`'s sync of 255 tensors took 10.5 ms copied one by one,
+    6.1 ms batched. Whole runs of rows (a TP shard; HF tensors
     that are the first rows of their TP1 tensor, `Mapping.tp1_hf_rows`) go in one `torch._foreach_copy_`, rows
     in another order (QKV) in one `index_select` each, anything else by its mapping's rule."""
     dsts, srcs = [], []
