@@ -3,7 +3,7 @@
 # installed (no vLLM and no Transformer Engine needed: megarl builds megatron-core's local layer spec
 # without TE). Each step runs on its own; a failing one does not stop the others.
 #
-#   bash scripts/gpu_check.sh            # from the repository root, ~3-5 min on an H100/H200
+#   bash scripts/gpu_check.sh            # from the repository root, ~4-6 min on an H100/H200
 #
 # megarl is used from the checkout (PYTHONPATH), not installed. Wheels in .whl/ (for a machine without
 # network: megatron-core's, and omegaconf's, which megarl.plan's package imports, with the antlr4 runtime it
@@ -33,6 +33,9 @@
 #      the adopted buffers back, every bucket's one-launch sums equal to a read-back, and bytes/s against a
 #      device copy (H200, 2026-11-28: gather 3.55 ms, 0.48x, checksums included, against 4.75 / 6.37 ms for the
 #      few-launch pack without / with them read back; 5.18 ms, 0.33x awake; 7.81 ms, 0.22x after a wake-up).
+#   7. benchmarks/unpack_device.py: the rollout rank's unpack of TP-sharded buckets (TP 2, 4, 8 of the same
+#      model, made up from random HF tensors on the GPU): bit-identical, its copy_ calls and bytes/s against a
+#      device copy (not yet run on a GPU: whether the unpack is launch-bound there, as the pack was).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -57,4 +60,5 @@ step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cu
 step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
 step "$PY" benchmarks/ipc_device.py --bucket-mb 1024 --repeats 9
 step "$PY" benchmarks/sync_device.py --repeats 5
+step "$PY" benchmarks/unpack_device.py --repeats 5
 exit $status

@@ -846,6 +846,14 @@ def test_the_ipc_benchmark_refuses_a_bucket_changed_after_the_packs_own_sums(mon
 
 
 @ON_EVERY_DEVICE
+def test_the_device_unpack_benchmark_checks_pass(device):
+    """`benchmarks/unpack_device.py` (the rollout rank's unpack of TP-sharded buckets, for a GPU session to time):
+    the buckets packed from every TP rank's shards unpack to the HF tensors bit for bit, at TP 2 and 4."""
+    out = run_benchmark("unpack_device.py", "--device", device, "--quick", "--tp", "2", "4", "--repeats", "1")
+    assert out.count("unpacked bit for bit") == 2 and "x of a copy" in out, out
+
+
+@ON_EVERY_DEVICE
 def test_the_device_sync_benchmark_checks_pass(device):
     """`benchmarks/sync_device.py` (the colocated in-process sync on one GPU, `scripts/gpu_check.sh`): its engine,
     zeroed first, holds the bridge's export bit for bit after a sync, after the next one (into the buffers it
