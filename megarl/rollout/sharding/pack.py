@@ -68,11 +68,14 @@ def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -
         p.mapping.unshard_to_hf([src], dims, buf[p.offset : p.offset + p.hf_numel])
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the one launch reads by address
+
+
 def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> Optional[torch.Tensor]:
     """`pack_bucket` as one Triton launch that copies every run of words (`devicesum.copy_sums`; the runs:
     `_copy_runs`) and sums them per HF tensor as it writes them; its sums (a sharded bucket's are of no
     tensor). None, with nothing written, where it cannot: no kernel here, a run off an 8-byte word, or a
-    parameter not as planned (its shape, contiguous, the buffer's dtype and device). A kernel that fails to
+    parameter not as planned (a plain tensor of its shape, contiguous, the buffer's dtype and device). A kernel that fails to
     build or run is not tried again (`devicesum.disable`)."""
     runs = _copy_runs(bucket, dims, buf.element_size())
     if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device):
@@ -80,7 +83,9 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
     addresses, device = [], buf.get_device()
     for p in bucket.params:
         src = local_params[(p.meta.vp_stage, p.meta.name)]
-        if src.shape != p.meta.shape or src.dtype != buf.dtype or src.get_device() != device:
+        if type(src) not in _PLAIN or src.shape != p.meta.shape or src.dtype != buf.dtype:
+            return None  # a tensor subclass (a DTensor, a quantized wrapper) may have no plain storage to read
+        if src.get_device() != device:
             return None
         address = src.data_ptr()
         if address % 8 or not src.is_contiguous():
