@@ -20,10 +20,10 @@ number of copy calls the unpack makes (`Tensor.copy_` counted once, untimed).
 from __future__ import annotations
 
 import argparse
-import time
 from unittest import mock
 
 import torch
+from ipc_device import timed  # the sibling benchmark's timer: the device synchronized at both ends
 
 from megarl.models.hf_config import describe_hf_config
 from megarl.models.mapping import padded_vocab_size
@@ -88,8 +88,8 @@ def run_tp(config, tp: int, device: str, dtype: torch.dtype, bucket_mb: float, r
     copies = _count_copies(unpack)
     best = {"copy": float("inf"), "unpack": float("inf")}
     for _ in range(repeats):
-        best["copy"] = min(best["copy"], _timed(device, lambda: dst.copy_(src)))
-        best["unpack"] = min(best["unpack"], _timed(device, unpack))
+        best["copy"] = min(best["copy"], timed(device, lambda: dst.copy_(src)))
+        best["unpack"] = min(best["unpack"], timed(device, unpack))
     return dict(best=best, bytes=nbytes, buckets=len(sharded), copies=copies)
 
 
@@ -103,16 +103,6 @@ def _count_copies(fn) -> int:
     with mock.patch.object(torch.Tensor, "copy_", counting):
         fn()
     return calls[0]
-
-
-def _timed(device: str, fn) -> float:
-    if device != "cpu":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:
