@@ -176,7 +176,7 @@ class Trainer:
     def copy_tables(self) -> list:
         """Per bucket, `devicesum.copy_table` of its weights (each tensor whole, in 8-byte words); [] where the
         one-launch pack cannot run (no Triton or no GPU)."""
-        if not devicesum.available(torch.device(self.device)):
+        if not devicesum.available(torch.device(self.device), "piece_copy_sums"):
             return []
         tables = []
         for bucket in self.buckets:

@@ -189,6 +189,34 @@ def test_a_parameter_of_another_shape_than_planned_fails_the_pack_either_way(tp)
             pack_bucket(bucket, params, wmap.dims, batched=batched)
 
 
+def test_a_failing_one_launch_kernel_leaves_the_few_launch_pack(monkeypatch, caplog):
+    """A one-launch pack whose Triton kernel fails to build or run (a GPU Triton does not support) is logged once
+    and not tried again: every bucket is packed the other way, the same bytes, without sums; the checksums'
+    kernel is still tried."""
+    from megarl.rollout.sharding import devicesum, pack
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # `available` then accepts CPU tensors
+    monkeypatch.setattr(devicesum, "_FAILED", {})
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_61")
+
+    monkeypatch.setattr(devicesum, "copy_sums", failing)
+    wmap, metas, local = fake_training_layout(_CONFIGS["llama"], 1, 1, value=None)
+    params = {(vp, name): torch.randn(t.shape) for (_, vp, name), t in local.items()}
+    plan = plan_sync(metas, wmap, tp_size=1, pp_size=1, bucket_bytes=20_000)
+    assert devicesum.available(torch.device("cpu"), "piece_copy_sums")
+    with caplog.at_level("WARNING", logger=devicesum.__name__):
+        for bucket in plan.buckets:
+            buf, sums = pack.pack_bucket_summed(bucket, params, wmap.dims, batched=True)
+            assert sums is None and torch.equal(buf, pack.pack_bucket(bucket, params, wmap.dims, batched=False))
+    assert len(calls) == 1 and "sm_61" in caplog.text and len(plan.buckets) > 1
+    assert not devicesum.available(torch.device("cpu"), "piece_copy_sums")
+    assert devicesum.available(torch.device("cpu"))  # the checksums' kernel
+
+
 def test_missing_stage_metadata_is_a_clear_error():
     wmap, metas, _ = fake_training_layout(_CONFIGS["llama"], 1, 2)
     with pytest.raises(PlanError, match="every pipeline stage"):

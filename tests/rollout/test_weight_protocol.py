@@ -152,7 +152,7 @@ def test_gpu_checksums_fall_back_to_block_sums_when_the_kernel_fails(monkeypatch
     from megarl.rollout.sharding import devicesum, protocol
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # `available` then accepts CPU tensors
-    monkeypatch.setattr(devicesum, "_FAILED", [])
+    monkeypatch.setattr(devicesum, "_FAILED", {})
     calls = []
 
     def failing(words, spans):
@@ -168,6 +168,7 @@ def test_gpu_checksums_fall_back_to_block_sums_when_the_kernel_fails(monkeypatch
             assert torch.equal(protocol._gpu_sums(words, spans), protocol._looped_sums(words, spans))
     assert len(calls) == 1 and not devicesum.available(words.device)
     assert "sm_61" in caplog.text
+    assert devicesum.available(words.device, "piece_copy_sums")  # the pack's kernel is still tried
 
 
 def test_in_place_sender_streams_views_of_each_bucket(engine, checkpoint, monkeypatch):

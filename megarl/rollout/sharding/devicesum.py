@@ -16,8 +16,8 @@ afterwards, where every tensor begins and ends on a word (`pack.pack_bucket_summ
 manager at TP 1, whose IPC sender then sums nothing).
 
 `available()` is False without Triton or a CUDA device, with `MEGARL_TRITON_SUMS=0`, and after the kernel
-failed to build or run once (logged as a warning, e.g. a GPU that Triton does not support); callers then keep
-`protocol._blocked_sums`. `TRITON_INTERPRET=1` (set before Triton is imported) runs the same kernel
+failed to build or run once (logged as a warning, e.g. a GPU that Triton does not support; each kernel on its
+own); callers then keep `protocol._blocked_sums`, or the pack its few launches. `TRITON_INTERPRET=1` (set before Triton is imported) runs the same kernel
 on CPU tensors: the tests check it that way.
 """
 
@@ -36,17 +36,17 @@ BLOCK = 1 << 10  # words per loop step of one program
 NUM_WARPS = 4
 _TABLES: OrderedDict = OrderedDict()  # (device, words, PIECE, spans) → its device table of pieces, newest last
 _MAX_TABLES = 64
-_FAILED: list[str] = []  # the kernel's first failure, if any: it is not tried again
+_FAILED: dict[str, str] = {}  # kernel name → its first failure: that kernel is not tried again
 logger = logging.getLogger(__name__)
 
 
-def available(device: torch.device) -> bool:
-    """Whether `span_sums` and `copy_sums` can run on `device`'s tensors."""
-    if os.environ.get("MEGARL_TRITON_SUMS", "1") == "0" or _FAILED:
+def available(device: torch.device, kernel: str = "piece_sums") -> bool:
+    """Whether `span_sums` (kernel "piece_sums") or `copy_sums` ("piece_copy_sums") can run on `device`'s tensors."""
+    if os.environ.get("MEGARL_TRITON_SUMS", "1") == "0" or kernel in _FAILED:
         return False
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return _kernel("piece_sums") is not None
+    return _kernel(kernel) is not None
 
 
 def span_sums(words: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -85,10 +85,12 @@ def copy_table(segments: list[tuple[int, int, int, int]], device: torch.device) 
     return tuple(torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64)[: len(rows)].T.contiguous().to(device))
 
 
-def disable(err: Exception) -> None:
-    """Stop using the kernel after it failed to build or run (`protocol._gpu_sums` falls back)."""
-    _FAILED.append(f"{type(err).__name__}: {err}")
-    logger.warning("one-launch GPU checksums unavailable (%s); weight syncs sum with torch instead", _FAILED[0])
+def disable(err: Exception, kernel: str = "piece_sums") -> None:
+    """Stop using a kernel after it failed to build or run (`protocol._gpu_sums` and `pack.pack_bucket_summed`
+    fall back to torch); the other one is still tried."""
+    _FAILED.setdefault(kernel, f"{type(err).__name__}: {err}")
+    what = "checksums" if kernel == "piece_sums" else "pack"
+    logger.warning("one-launch GPU %s unavailable (%s); weight syncs use torch for it instead", what, _FAILED[kernel])
 
 
 def _pieces(device: torch.device, n: int, spans: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -78,7 +78,7 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
     parameter not as planned (a plain tensor of its shape, contiguous, the buffer's dtype and device). A kernel that fails to
     build or run is not tried again (`devicesum.disable`)."""
     runs = _copy_runs(bucket, dims, buf.element_size())
-    if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device):
+    if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device, "piece_copy_sums"):
         return None
     addresses, device = [], buf.get_device()
     for p in bucket.params:
@@ -106,7 +106,7 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - Triton failing to build or run the kernel on this GPU
-        devicesum.disable(err)
+        devicesum.disable(err, "piece_copy_sums")
         return None
 
 
