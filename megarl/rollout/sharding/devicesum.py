@@ -17,8 +17,8 @@ manager at TP 1, whose IPC sender then sums nothing).
 
 `available()` is False without Triton or a CUDA device, with `MEGARL_TRITON_SUMS=0`, and after the kernel
 failed to build or run once (logged as a warning, e.g. a GPU that Triton does not support; each kernel on its
-own); callers then keep `protocol._blocked_sums`, or the pack its few launches. `TRITON_INTERPRET=1` (set before Triton is imported) runs the same kernel
-on CPU tensors: the tests check it that way.
+own); callers then keep `protocol._blocked_sums`, or the pack its few launches. `TRITON_INTERPRET=1` (set before
+Triton is imported) runs the same kernels on CPU tensors: the tests check them that way.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 def available(device: torch.device, kernel: str = "piece_sums") -> bool:
-    """Whether `span_sums` (kernel "piece_sums") or `copy_sums` ("piece_copy_sums") can run on `device`'s tensors."""
+    """Whether `span_sums` (kernel "piece_sums") or `copy_sums` ("piece_copy_sums") runs on `device`'s tensors."""
     if os.environ.get("MEGARL_TRITON_SUMS", "1") == "0" or kernel in _FAILED:
         return False
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

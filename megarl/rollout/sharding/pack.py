@@ -75,8 +75,8 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
     """`pack_bucket` as one Triton launch that copies every run of words (`devicesum.copy_sums`; the runs:
     `_copy_runs`) and sums them per HF tensor as it writes them; its sums (a sharded bucket's are of no
     tensor). None, with nothing written, where it cannot: no kernel here, a run off an 8-byte word, or a
-    parameter not as planned (a plain tensor of its shape, contiguous, the buffer's dtype and device). A kernel that fails to
-    build or run is not tried again (`devicesum.disable`)."""
+    parameter not as planned (a plain tensor of its shape, contiguous, the buffer's dtype and device). A kernel
+    that fails to build or run is not tried again (`devicesum.disable`)."""
     runs = _copy_runs(bucket, dims, buf.element_size())
     if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device, "piece_copy_sums"):
         return None
