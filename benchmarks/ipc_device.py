@@ -284,6 +284,15 @@ def with_sums_form(trainer: Trainer, form: str):
     return run
 
 
+def print_rows(best: dict[str, float], nbytes: int, width: int, indent: str = "") -> None:
+    """One line per timed path: its best time, GB/s and its ratio against the `copy` row (bytes/s)."""
+    for name, seconds in best.items():
+        print(
+            f"{indent}{name:{width}s} {seconds * 1e3:8.2f} ms  {nbytes / seconds / 1e9:7.1f} GB/s"
+            f"  {best['copy'] / seconds:5.2f}x of a copy"
+        )
+
+
 def timed(device: str, fn) -> float:
     if device != "cpu":
         torch.cuda.synchronize()
@@ -329,11 +338,7 @@ def main() -> None:
                 best[name] = min(best[name], timed(args.device, fn))
     finally:
         trainer.close()
-    for name, seconds in best.items():
-        print(
-            f"{name:20s} {seconds * 1e3:8.2f} ms  {trainer.bytes / seconds / 1e9:7.1f} GB/s"
-            f"  {best['copy'] / seconds:5.2f}x of a copy"
-        )
+    print_rows(best, trainer.bytes, 20)
     share = best["ipc"] / best["ipc-unverified"] - 1
     print(f"integrity check's share of the verified sync: {share:+.1%}", "(the pack's sums)" if trainer.tables else "")
     print(f"  with the sums read back after the pack: {best['ipc-sums-read-back'] / best['ipc-unverified'] - 1:+.1%}")

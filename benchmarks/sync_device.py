@@ -35,7 +35,7 @@ import argparse
 import tempfile
 
 import torch
-from ipc_device import timed  # the sibling benchmark's timer: the device synchronized at both ends
+from ipc_device import print_rows, timed  # the sibling benchmark's timer (the device synchronized) and rows
 from weight_sync import _consume  # the sibling benchmark's gather with no engine: `iter_weights()` consumed
 
 from megarl.models.layout import ParallelLayout
@@ -212,11 +212,7 @@ def main() -> None:
     )
     taken = f"{result['sums_from_pack']} of {result['buckets']} buckets"
     print(f"{taken} came with the pack's checksums (equal to a read-back)")
-    for name, seconds in best.items():
-        print(
-            f"{name:26s} {seconds * 1e3:8.2f} ms  {nbytes / seconds / 1e9:7.1f} GB/s"
-            f"  {best['copy'] / seconds:5.2f}x of a copy"
-        )
+    print_rows(best, nbytes, 26)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import argparse
 from unittest import mock
 
 import torch
-from ipc_device import timed  # the sibling benchmark's timer: the device synchronized at both ends
+from ipc_device import print_rows, timed  # the sibling benchmark's timer (the device synchronized) and rows
 
 from megarl.models.hf_config import describe_hf_config
 from megarl.models.mapping import padded_vocab_size
@@ -124,11 +124,7 @@ def main() -> None:
             f"TP {tp}: {nbytes / 2**20:.1f} MiB in {result['buckets']} sharded buckets, unpacked bit for bit;"
             f" {result['copies']} copy_ calls an unpack"
         )
-        for name, seconds in best.items():
-            print(
-                f"  {name:8s} {seconds * 1e3:8.2f} ms  {nbytes / seconds / 1e9:7.1f} GB/s"
-                f"  {best['copy'] / seconds:5.2f}x of a copy"
-            )
+        print_rows(best, nbytes, 8, indent="  ")
 
 
 if __name__ == "__main__":

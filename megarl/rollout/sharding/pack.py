@@ -146,9 +146,9 @@ def _plan_copy_runs(bucket: Bucket, dims, itemsize: int) -> Optional[tuple]:
 
 
 def _row_runs(rows) -> list[tuple[int, int]]:
-    """(first row, rows) of each run of consecutive rows in `rows` (a range, or an index tensor)."""
-    if isinstance(rows, range):
-        return [(rows.start, len(rows))] if rows.step == 1 else [(r, 1) for r in rows]
+    """(first row, rows) of each run of consecutive rows in `rows` (a prefix `range`, or an index tensor)."""
+    if isinstance(rows, range):  # `Mapping.tp1_hf_rows` gives `range(n)`: one run
+        return [(rows.start, len(rows))]
     runs: list[list[int]] = []
     for row in rows.tolist():
         if runs and runs[-1][0] + runs[-1][1] == row:
