@@ -83,7 +83,7 @@ class _Plan:
         whole = len(copies) == 1 and _whole(copies[0], tensor)
         if whole and copies[0].dst.data_ptr() == tensor.data_ptr():
             if check is not None:  # an adopted parameter (`ReplayingLoader.adopt`): the bytes are in it already
-                check.check(loaded=True)
+                check.check_in_place()
             return
         if whole and check is not None:
             check.copy_into(copies[0].dst)

@@ -222,7 +222,13 @@ def within(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 def test_parameters_adopt_the_kept_buffer_then_updates_are_in_place_and_other_loads_release_them():
     from megarl.rollout.sharding.plan import HFSlot
-    from megarl.rollout.sharding.protocol import FlatBucket, WeightUpdateError, checksums, verify_bucket
+    from megarl.rollout.sharding.protocol import (
+        FlatBucket,
+        WeightUpdateError,
+        check_in_place,
+        checksums,
+        verify_bucket,
+    )
 
     model, buffer = Fused(), torch.empty(44)
     loader = ReplayingLoader(model.named_parameters)
@@ -246,6 +252,20 @@ def test_parameters_adopt_the_kept_buffer_then_updates_are_in_place_and_other_lo
     buffer[9] += 1.0  # k's bytes change after the sender summed them
     with pytest.raises(WeightUpdateError, match="'k'.*found as it was copied into the model"):
         loader.load_checked(model.load_weights, verify_bucket(bucket, sums).pending())
+    # the IPC worker's form: the in-place checks wait for the bucket's end, then one sum takes them all
+    later, received = [], verify_bucket(bucket, sums)
+    for seed in range(3):  # the failed update dropped the plan: recorded, validated, replayed and adopted again
+        loader.load(model.load_weights, iter(kept_update(buffer, seed)))
+    assert loader.adopt() == 44 * 4
+    kept_update(buffer, 7)  # the bytes `sums` were taken of
+    buffer[9] += 1.0
+    loader.load_checked(model.load_weights, received.pending(later))
+    assert later == [0, 1, 2, 3]
+    with pytest.raises(WeightUpdateError, match="'k'.*found as it was copied into the model"):
+        check_in_place(received, later)
+    with pytest.raises(WeightUpdateError, match="'k'"):
+        check_in_place(received, [1, 3])
+    check_in_place(received, [0, 2, 3])  # q, v and embed are as summed
     other = kept_update(torch.empty(44), 3)  # other tensors, from elsewhere: the real loader, after a release
     other = [other[0], other[3]]
     loader.load(model.load_weights, iter(other))

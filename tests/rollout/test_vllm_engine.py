@@ -587,6 +587,61 @@ def test_repeated_in_place_updates_replay_the_loaders_copies(rollout_models):
         engine.shutdown()
 
 
+def test_an_adopted_update_is_checked_in_the_model_and_a_changed_byte_fails_it(rollout_models):
+    """An IPC sender that keeps its buffers for the engine (`adopt`, a sharding manager's): from the third
+    update on the CPU worker's parameters are those buffers, so what is written there is the model, and the
+    worker only checks it (each bucket's in-place tensors together, `protocol.check_in_place`). A byte changed
+    after the checksums fails the update naming its tensor, as one that reached the model, and the engine's
+    version stays at the last good update; the next update is loaded and served."""
+    from unittest import mock
+
+    from rollout_api_checks import checkpoint
+    from rollout_sync_checks import hf_greedy
+
+    from megarl.rollout.sharding import ipc
+    from megarl.rollout.sharding.plan import HFSpec
+    from megarl.rollout.sharding.protocol import FlatBucket, bucket_tensors
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    models = [rollout_models["qwen2"], rollout_models["qwen2_other"]]
+    weights = [checkpoint(path) for path in models]
+    engine = VLLMEngine(models[1])
+    try:
+        sender = ipc.IpcSender(engine, adopt=True)
+        sender.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights[0]])
+
+        def written(which: int) -> list[FlatBucket]:  # the ranks' writes: into the kept buffers, every update
+            out = []
+            for i, fresh in enumerate(bucket_tensors(weights[which], 40_000)):
+                buffer = sender.buffers.take(i, fresh.buffer.numel(), fresh.dtype, "cpu")
+                buffer.copy_(fresh.buffer)
+                out.append(FlatBucket(buffer, fresh.entries, kept=True))
+            return out
+
+        for version in range(1, 5):  # recorded, validated, replayed (then adopted), written into the model
+            sender.send(written(version % 2), version)
+            assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(models[version % 2])
+        assert sum(engine.run_sync(engine.llm.collective_rpc("megarl_adopted_bytes"))) > 0
+
+        buckets = written(1)
+        real_checksums, name = ipc.checksums, buckets[2].entries[-1].name
+
+        def racing(bucket):  # the bytes change after the sender summed them
+            sums = real_checksums(bucket)
+            if bucket is buckets[2]:
+                bucket.buffer[-1] += 1.0
+            return sums
+
+        with mock.patch.object(ipc, "checksums", racing), pytest.raises(Exception) as failed:
+            sender.send(buckets, 5)
+        assert f"{name!r}" in str(failed.value) and "found as it was copied into the model" in str(failed.value)
+        assert engine.version == 4
+        assert sender.send(written(0), 6) == 6 == engine.version
+        assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(models[0])
+    finally:
+        engine.shutdown()
+
+
 def test_a_vllm_without_the_weight_version_api_is_refused_before_an_engine_starts(monkeypatch, tmp_path):
     """vLLM releases before vllm-project/vllm#49040 (e.g. 0.19, once the Docker image's default) lack it:
     the engine must say so at once, naming the fix, not fail after its core process started."""

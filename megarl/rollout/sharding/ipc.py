@@ -73,6 +73,7 @@ from megarl.rollout.sharding.protocol import (
     UpdateProgress,
     announced,
     check_bucket,
+    check_in_place,
     checksums,
     verify_bucket,
 )
@@ -419,11 +420,13 @@ class MegarlWorkerExtension:
         try:
 
             def stream():  # in place: (name, view, its pending check); each tensor checked as it is copied
-                for bucket in buckets:
+                for bucket in buckets:  # (adopted ones: together once the loader is done with the bucket)
                     owned[0] &= bucket.kept
-                    for item in bucket.pending() if in_place else bucket.tensors():
+                    adopted: list[int] = []
+                    for item in bucket.pending(adopted) if in_place else bucket.tensors():
                         names.append(item[0])
                         yield item
+                    check_in_place(bucket, adopted)  # before the next bucket: its sender may reuse this one's memory
 
             if in_place:  # plain CPU weights (`plain_cpu_linear_weights`): the model's loaders copy into them
                 from vllm.config import set_current_vllm_config
