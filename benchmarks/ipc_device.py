@@ -10,7 +10,8 @@ manager's pack at TP1 on a GPU, one Triton launch a bucket that sums what it wri
 without Triton a copy per tensor), `ipc.IpcChannel.serve` hands each bucket to an "engine" process
 by handle (`reduce_tensor`: a CUDA IPC handle; kept buffers cross by handle once, then by token) with
 its per-tensor checksums (the pack's, else `protocol.checksums` read back), and the engine process
-(`ipc.receive_buckets`: maps the bucket, checks the checksums, acks) copies every tensor into its own parameters.
+(`ipc.receive_buckets`: maps the bucket, acks) copies every tensor into its own parameters, checking the
+checksums as the worker does (`ipc.loader_tensors`: on a GPU compared after the copies were queued).
 
 Checked before timing: after a verified sync the engine's parameters equal the weights bit for bit
 (per-tensor sums of the 16-bit words, computed on both sides); a bucket changed after its checksum was
@@ -27,6 +28,8 @@ Timed (best of --repeats, alternating, each ending with the device synchronized 
     pack-per-tensor — the same a `copy_` per tensor;
   * ipc-unverified  — pack + serve without checksums; ipc — pack + serve with them (the pack's);
     ipc-sums-read-back — the same with the checksums read back after the pack, by the channel;
+    ipc-check-first — `ipc` with the engine checking each bucket before it copies any of it (the worker's
+                      check before 2026-11-28: on a GPU it waits for the sums before issuing the copies);
   * on a GPU, checksums-blocked / ipc-blocked-sums and checksums-per-tensor / ipc-per-tensor-sums — the
     same with the checksums' earlier GPU forms on both sides (`protocol._blocked_sums`: about ten kernels
     per bucket; `protocol._looped_sums`: a reduction per tensor).
@@ -85,13 +88,16 @@ def engine_process(shapes, dtype, device: str, control: Connection) -> None:
     channel (connecting anew when the address changed or the last update failed) and copies every tensor in."""
     params = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes}
     forms = sums_forms()
-    conn, address, mapped = None, None, {}
+    conn, address, mapped, check_first = None, None, {}, False
     while (message := control.recv())[0] != "stop":
         if message[0] == "sums":
             control.send(word_sums(params))
             continue
         if message[0] == "form":  # the checksums' form here too (`with_sums_form`)
             protocol._gpu_sums = forms[message[1]]
+            continue
+        if message[0] == "check-first":  # each bucket checked whole before its copies (the worker before)
+            check_first = message[1]
             continue
         _, new_address, authkey = message
         try:
@@ -100,7 +106,7 @@ def engine_process(shapes, dtype, device: str, control: Connection) -> None:
             else:
                 conn.send(ipc._HELLO)  # a kept connection announces every update
             for bucket in ipc.receive_buckets(conn, mapped):
-                for name, tensor in bucket.tensors():
+                for name, tensor in bucket.tensors() if check_first else ipc.loader_tensors(bucket):
                     params[name].copy_(tensor)
             if device != "cpu":
                 torch.cuda.synchronize()
@@ -155,6 +161,15 @@ class Trainer:
                 raise WeightUpdateError(error)
 
         channel.serve(buckets, receive, verify=verify)
+
+    def sync_checked_first(self) -> None:
+        """A verified sync whose engine checks each bucket whole before it copies any of it (on a GPU: waits for
+        the sums, then issues the copies), as the vLLM worker did before `ipc.loader_tensors`."""
+        self.control.send(("check-first", True))
+        try:
+            self.sync(verify=True)
+        finally:
+            self.control.send(("check-first", False))
 
     def pack(self) -> Optional[list[torch.Tensor]]:
         """The weights into the kept buckets: on a GPU one launch a bucket that sums what it writes per tensor
@@ -324,6 +339,7 @@ def main() -> None:
             "ipc-unverified": lambda: trainer.sync(verify=False),
             "ipc": lambda: trainer.sync(verify=True),
             "ipc-sums-read-back": lambda: trainer.sync(verify=True, pack_sums=False),
+            "ipc-check-first": trainer.sync_checked_first,
         }
         if args.device != "cpu":  # the GPU's checksums in one launch per bucket, against the earlier forms
             for form in ("blocked", "per-tensor"):
@@ -342,6 +358,9 @@ def main() -> None:
     share = best["ipc"] / best["ipc-unverified"] - 1
     print(f"integrity check's share of the verified sync: {share:+.1%}", "(the pack's sums)" if trainer.tables else "")
     print(f"  with the sums read back after the pack: {best['ipc-sums-read-back'] / best['ipc-unverified'] - 1:+.1%}")
+    print(
+        f"  with the engine checking each bucket before its copies: {best['ipc-check-first'] / best['ipc-unverified'] - 1:+.1%}"
+    )
     for form in ("blocked", "per-tensor"):
         if f"ipc-{form}-sums" in best:
             print(f"  with {form} sums: {best[f'ipc-{form}-sums'] / best['ipc-unverified'] - 1:+.1%}")

@@ -594,6 +594,27 @@ def test_an_ipc_hop_passes_on_the_checksums_a_bucket_came_with_and_its_worker_ch
     assert loaded == [e.name for e in buckets[0].entries]  # bucket 1 never reached the loader
 
 
+def test_a_gpu_workers_bucket_hands_on_every_view_before_its_checksums_are_compared(checkpoint):
+    """`FlatBucket.tensors_checked_after` (a GPU worker's loaders, `ipc.loader_tensors`): every view comes
+    first, the sums are compared when the loader asks past the last one, and a changed byte then fails the
+    update as one found in the model, naming its tensor; an intact bucket ends quietly. On CPU the worker
+    still checks first: nothing of a corrupted bucket is handed on."""
+    from megarl.rollout.sharding import ipc, protocol
+
+    bucket = next(iter(bucket_tensors(checkpoint, 200_000)))
+    received = protocol.verify_bucket(bucket, protocol.checksums(bucket))
+    assert [n for n, _ in received.tensors_checked_after()] == [e.name for e in bucket.entries]
+    bucket.buffer[-1] += 1.0  # its last tensor changes after the sender's sums
+    taken = received.tensors_checked_after()
+    views = [next(taken) for _ in bucket.entries]
+    assert [n for n, _ in views] == [e.name for e in bucket.entries] and views[-1][1].data_ptr() != 0
+    name = bucket.entries[-1].name
+    with pytest.raises(WeightUpdateError, match=rf"{name!r}.*checksum mismatch.*found as it was copied into the model"):
+        next(taken)
+    with pytest.raises(WeightUpdateError, match=rf"{name!r}.*nothing of the bucket was loaded"):
+        next(ipc.loader_tensors(received))
+
+
 def _rollout_imports(path: Path) -> set[str]:
     """megarl.rollout modules a file imports (anywhere in it, lazy imports included)."""
     found = set()

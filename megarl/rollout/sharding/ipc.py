@@ -62,7 +62,7 @@ import uuid
 import weakref
 from multiprocessing import Pipe
 from multiprocessing.connection import Client, Listener, wait
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -366,6 +366,13 @@ def receive_buckets(conn, mapped: Optional[dict] = None) -> Iterable[FlatBucket]
         del mapped[token]
 
 
+def loader_tensors(bucket: FlatBucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) of a received bucket for a worker's weight loaders: on a GPU its checksums are compared
+    after the loaders have queued their copies (`FlatBucket.tensors_checked_after`); on CPU, where the sums
+    are a read the worker waits for either way, checked first (a corrupted bucket then loads nothing)."""
+    return bucket.tensors_checked_after() if bucket.buffer.is_cuda else iter(bucket.tensors())
+
+
 def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
     return str(torch.cuda.get_device_properties(tensor.device).uuid) if tensor.is_cuda else None
 
@@ -423,7 +430,7 @@ class MegarlWorkerExtension:
                 for bucket in buckets:  # (adopted ones: together once the loader is done with the bucket)
                     owned[0] &= bucket.kept
                     adopted: list[int] = []
-                    for item in bucket.pending(adopted) if in_place else bucket.tensors():
+                    for item in bucket.pending(adopted) if in_place else loader_tensors(bucket):
                         names.append(item[0])
                         yield item
                     check_in_place(bucket, adopted)  # before the next bucket: its sender may reuse this one's memory

@@ -70,6 +70,19 @@ class FlatBucket:
             _check(self, self.expected)
         return [(e.name, self._view(e)) for e in self.entries]
 
+    def tensors_checked_after(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tensors()` for a consumer that only queues copies of them on the bucket's GPU (vLLM's loaders in a
+        worker, `ipc.loader_tensors`): the checksums are queued on the device first, every view is handed on
+        at once, and the sums are compared when the consumer asks past the last one. The worker's CPU issues
+        the loaders' copies while the GPU sums, instead of waiting for the sums first. A mismatch then fails
+        the update as one found in the model (an IPC update counts as begun from its first bucket anyway)."""
+        if self.expected is None:
+            yield from self.tensors()
+            return
+        got = checksums(self)
+        yield from ((e.name, self._view(e)) for e in self.entries)
+        _compare(self, list(range(len(self.entries))), got)
+
     def pending(self, in_place: Optional[list[int]] = None) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
         """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
         as it copies it (`load_plan.ReplayingLoader.load_checked`). The check is None without `expected`.
@@ -307,8 +320,14 @@ def check_in_place(bucket: FlatBucket, indices: list[int]) -> None:
     if not indices:
         return
     whole = indices == list(range(len(bucket.entries)))
-    got = checksums(bucket if whole else FlatBucket(bucket.buffer, tuple(bucket.entries[i] for i in indices)))
-    expected = bucket.expected if whole else bucket.expected[indices]
+    summed = bucket if whole else FlatBucket(bucket.buffer, tuple(bucket.entries[i] for i in indices))
+    _compare(bucket, indices, checksums(summed))
+
+
+def _compare(bucket: FlatBucket, indices: list[int], got: torch.Tensor) -> None:
+    """`got`, the sums of the bucket's tensors at `indices`, against the sender's; a mismatch raises
+    `PendingCheck.check`'s error (found in the model) for the first tensor that differs."""
+    expected = bucket.expected if len(indices) == len(bucket.entries) else bucket.expected[indices]
     if not torch.equal(got, expected):
         first = int((got != expected).nonzero()[0])
         PendingCheck(bucket, indices[first]).check(int(got[first]), loaded=True)
