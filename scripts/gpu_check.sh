@@ -27,7 +27,9 @@
 #      of bf16 in 1 GB buckets: verified and unverified syncs bit-identical, a corrupted bucket refused
 #      naming its tensor (by the channel's read-back sums and by the one-launch pack's own), and bytes/s against
 #      a device copy (H200, 2026-11-28: the pack in one Triton launch a bucket 1.00x of a copy, a copy per tensor
-#      0.46x; checksums 1.72x; the check's share of the sync +25.6% with the pack's sums, +30.4% read back).
+#      0.46x; checksums 1.72x; the check's share of the sync +25.6% with the pack's sums, +30.4% read back;
+#      since 2026-11-28 the engine compares a bucket's sums after queueing its copies, `ipc-check-first` the
+#      form before: not yet run on a GPU).
 #   6. benchmarks/sync_device.py: the colocated in-process sync (sharding manager -> an embedded engine on the
 #      same GPU, which adopts the buckets) of a Qwen2-1.5B-sized Llama in bf16: bit-identical, the sleep giving
 #      the adopted buffers back, every bucket's one-launch sums equal to a read-back, and bytes/s against a
