@@ -81,7 +81,7 @@ class FlatBucket:
             return
         got = checksums(self)
         yield from ((e.name, self._view(e)) for e in self.entries)
-        _compare(self, list(range(len(self.entries))), got)
+        _compare(self, got)
 
     def pending(self, in_place: Optional[list[int]] = None) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
         """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
@@ -319,18 +319,19 @@ def check_in_place(bucket: FlatBucket, indices: list[int]) -> None:
     order), summed in one `checksums` call; a mismatch raises `PendingCheck.check`'s error for the first."""
     if not indices:
         return
-    whole = indices == list(range(len(bucket.entries)))
-    summed = bucket if whole else FlatBucket(bucket.buffer, tuple(bucket.entries[i] for i in indices))
-    _compare(bucket, indices, checksums(summed))
+    if indices == list(range(len(bucket.entries))):
+        _compare(bucket, checksums(bucket))
+    else:
+        _compare(bucket, checksums(FlatBucket(bucket.buffer, tuple(bucket.entries[i] for i in indices))), indices)
 
 
-def _compare(bucket: FlatBucket, indices: list[int], got: torch.Tensor) -> None:
-    """`got`, the sums of the bucket's tensors at `indices`, against the sender's; a mismatch raises
+def _compare(bucket: FlatBucket, got: torch.Tensor, indices: Optional[list[int]] = None) -> None:
+    """`got`, the sums of the bucket's tensors (those at `indices`), against the sender's; a mismatch raises
     `PendingCheck.check`'s error (found in the model) for the first tensor that differs."""
-    expected = bucket.expected if len(indices) == len(bucket.entries) else bucket.expected[indices]
+    expected = bucket.expected if indices is None else bucket.expected[indices]
     if not torch.equal(got, expected):
         first = int((got != expected).nonzero()[0])
-        PendingCheck(bucket, indices[first]).check(int(got[first]), loaded=True)
+        PendingCheck(bucket, first if indices is None else indices[first]).check(int(got[first]), loaded=True)
 
 
 def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:
