@@ -11,6 +11,14 @@ fp32, five tensors of `benchmarks/weight_sync.py`'s sizes) arrives with the send
   * copy            — the `copy_`s alone, unverified (the floor).
 Checks first that every form leaves the parameters equal to the bucket. Prints min and median of each and the
 ratios check-then-copy / copy-and-check (the saving) and copy-and-check / copy (the check's cost left).
+
+Then what the vLLM CPU worker does with a bucket whose tensors are its parameters already (adopted: from the
+third sync on the trainer's ranks write the model, the worker only checks it), for the quickstart's model (26
+HF tensors, 1.3 MiB of fp32):
+  * adopted, per tensor — `PendingCheck.check_in_place` with nothing to defer to: a `checksums` call per tensor
+                          (the worker before 2026-11-28);
+  * adopted, per bucket — the checks deferred to the bucket's end (`FlatBucket.pending(in_place=...)`), then
+                          one `protocol.check_in_place` for all of them.
 """
 
 import time
@@ -19,16 +27,20 @@ import torch
 
 from megarl.rollout.sharding import copysum
 from megarl.rollout.sharding.plan import HFSlot
-from megarl.rollout.sharding.protocol import FlatBucket, checksums, verify_bucket
+from megarl.rollout.sharding.protocol import FlatBucket, check_in_place, checksums, verify_bucket
 
 SHAPES = [(1024, 1024)] * 4 + [(4096, 1024)]  # 32 MiB of fp32
+# the quickstart's tiny Qwen2 as HF tensors: embedding (tied), per layer q/k/v weights and biases, o, gate, up,
+# down, two norms; the final norm
+_LAYER = [(128, 128), (128,), (128, 128), (128,), (128, 128), (128,), (128, 128), (256, 128), (256, 128)]
+QUICKSTART_SHAPES = [(103, 128)] + (_LAYER + [(128, 256), (128,), (128,)]) * 2 + [(128,)]
 
 
-def make_bucket() -> FlatBucket:
+def make_bucket(shapes=SHAPES) -> FlatBucket:
     entries, offset = [], 0
-    for i, shape in enumerate(SHAPES):
+    for i, shape in enumerate(shapes):
         entries.append(HFSlot(f"t{i}", shape, offset))
-        offset += shape[0] * shape[1]
+        offset += torch.Size(shape).numel()
     return FlatBucket(torch.randn(offset), tuple(entries))
 
 
@@ -74,6 +86,38 @@ def main() -> None:
         f"check-then-copy / copy-and-check: {best['check-then-copy'] / best['copy-and-check']:.2f}x   "
         f"copy-and-check / copy: {best['copy-and-check'] / best['copy']:.2f}x"
     )
+
+    adopted_checks()
+
+
+def adopted_checks() -> None:
+    """The worker's check of a bucket that is its model already: a sum per tensor, against one per bucket."""
+    bucket = make_bucket(QUICKSTART_SHAPES)
+    received = verify_bucket(bucket, checksums(bucket))
+
+    def per_tensor():
+        for _, _, check in received.pending():
+            check.check_in_place()
+
+    def per_bucket():
+        later: list[int] = []
+        for _, _, check in received.pending(later):
+            check.check_in_place()
+        check_in_place(received, later)
+
+    forms = {"adopted, per tensor": per_tensor, "adopted, per bucket": per_bucket}
+    times = {name: [] for name in forms}
+    for _ in range(300):
+        for name, form in forms.items():
+            start = time.perf_counter()
+            form()
+            times[name].append(time.perf_counter() - start)
+    print(f"one bucket of {bucket.buffer.numel() * 4 / 2**20:.1f} MiB, {len(QUICKSTART_SHAPES)} tensors, adopted:")
+    for name, runs in times.items():
+        runs.sort()
+        print(f"  {name:20s} min {runs[0] * 1e3:6.3f} ms   median {runs[len(runs) // 2] * 1e3:6.3f} ms")
+    median = {name: runs[len(runs) // 2] for name, runs in times.items()}
+    print(f"per tensor / per bucket: {median['adopted, per tensor'] / median['adopted, per bucket']:.2f}x")
 
 
 if __name__ == "__main__":
