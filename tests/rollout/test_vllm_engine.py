@@ -591,8 +591,9 @@ def test_an_adopted_update_is_checked_in_the_model_and_a_changed_byte_fails_it(r
     """An IPC sender that keeps its buffers for the engine (`adopt`, a sharding manager's): from the third
     update on the CPU worker's parameters are those buffers, so what is written there is the model, and the
     worker only checks it (each bucket's in-place tensors together, `protocol.check_in_place`). A byte changed
-    after the checksums fails the update naming its tensor, as one that reached the model, and the engine's
-    version stays at the last good update; the next update is loaded and served."""
+    after the checksums, in a bucket amid the update or in its last one, fails the update naming its tensor,
+    as one that reached the model; the engine's version stays at the last good update, and the next updates
+    are loaded (adopted again) and served."""
     from unittest import mock
 
     from rollout_api_checks import checkpoint
@@ -618,28 +619,85 @@ def test_an_adopted_update_is_checked_in_the_model_and_a_changed_byte_fails_it(r
                 out.append(FlatBucket(buffer, fresh.entries, kept=True))
             return out
 
-        for version in range(1, 5):  # recorded, validated, replayed (then adopted), written into the model
-            sender.send(written(version % 2), version)
-            assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(models[version % 2])
-        assert sum(engine.run_sync(engine.llm.collective_rpc("megarl_adopted_bytes"))) > 0
+        version = 0
+        for corrupted in (2, -1):
+            first = version + 1
+            for version in range(first, first + 4):  # recorded, validated, replayed (adopted), in place
+                sender.send(written(version % 2), version)
+                assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(models[version % 2])
+            assert sum(engine.run_sync(engine.llm.collective_rpc("megarl_adopted_bytes"))) > 0
+            buckets = written(1)
+            target, real_checksums = buckets[corrupted], ipc.checksums
 
-        buckets = written(1)
-        real_checksums, name = ipc.checksums, buckets[2].entries[-1].name
+            def racing(bucket, target=target, real_checksums=real_checksums):  # changed after the sender's sums
+                sums = real_checksums(bucket)
+                if bucket is target:
+                    bucket.buffer[-1] += 1.0
+                return sums
 
-        def racing(bucket):  # the bytes change after the sender summed them
-            sums = real_checksums(bucket)
-            if bucket is buckets[2]:
-                bucket.buffer[-1] += 1.0
-            return sums
-
-        with mock.patch.object(ipc, "checksums", racing), pytest.raises(Exception) as failed:
-            sender.send(buckets, 5)
-        assert f"{name!r}" in str(failed.value) and "found as it was copied into the model" in str(failed.value)
-        assert engine.version == 4
-        assert sender.send(written(0), 6) == 6 == engine.version
+            with mock.patch.object(ipc, "checksums", racing), pytest.raises(Exception) as failed:
+                sender.send(buckets, version + 1)
+            assert f"{target.entries[-1].name!r}" in str(failed.value)
+            assert "found as it was copied into the model" in str(failed.value)
+            assert engine.version == version
+            version += 1
+        assert sender.send(written(0), version + 1) == version + 1 == engine.version
         assert tokens(engine_snapshot(engine, fixed_sequences())[0]) == hf_greedy(models[0])
     finally:
         engine.shutdown()
+
+
+def test_the_worker_checks_a_buckets_adopted_tensors_before_it_acknowledges_it_or_ends_the_update():
+    """The worker's checks of tensors in place wait for the bucket's end (`protocol.check_in_place`): they
+    must run before it acknowledges the bucket (the sender may then reuse the memory) and, for the last
+    bucket, before the update ends, even when the loader takes exactly every tensor and never asks past the
+    last one. A fake worker over a pipe: the corrupted bucket gets no "ok" and the update fails naming it."""
+    import contextlib
+    import itertools
+    from multiprocessing import Pipe
+    from unittest import mock
+
+    import vllm.config
+
+    from megarl.rollout.sharding import ipc
+    from megarl.rollout.sharding.plan import HFSlot
+    from megarl.rollout.sharding.protocol import FlatBucket, checksums
+
+    class Loader:  # `ReplayingLoader` after adoption: every tensor is in place, only checked
+        def load_checked(self, model_loader, items):
+            for _, _, check in itertools.islice(items, 4):  # all four tensors, nothing asked past them
+                check.check_in_place()
+
+        def adopt(self):
+            return 0
+
+    for corrupted in ("b", "d"):
+        memory = torch.randn(8)
+        buckets = [(HFSlot("a", (2,), 0), HFSlot("b", (2,), 2)), (HFSlot("c", (2,), 0), HFSlot("d", (2,), 2))]
+        worker_end, sender_end = Pipe()
+        for i, entries in enumerate(buckets):  # two buckets of the same kept memory (one mapped token)
+            view = memory[4 * i : 4 * i + 4]
+            sums = checksums(FlatBucket(view, entries)).tolist()
+            message = (None, 0, (16 * i, 4, torch.float32), entries, None, sums, True)
+            sender_end.send(message)
+        memory[{"b": 3, "d": 7}[corrupted]] += 1.0  # after the sums
+        sender_end.send((ipc._END, [0]))
+
+        worker = ipc.MegarlWorkerExtension()
+        worker.vllm_config, worker.get_model = None, mock.Mock
+        worker._megarl_in_place = Loader
+        worker._megarl_channel = lambda address, authkey, conn=worker_end, memory=memory: (
+            conn,
+            {0: memory.view(torch.uint8)},
+        )
+        with mock.patch.object(vllm.config, "set_current_vllm_config", lambda c: contextlib.nullcontext()):
+            with pytest.raises(WeightUpdateError, match=rf"'{corrupted}'.*found as it was copied into the model"):
+                worker.megarl_reload_by_ipc("address", b"key")
+        acks = []
+        with contextlib.suppress(EOFError, ConnectionResetError):  # the worker closed its end on the failure
+            while sender_end.poll():
+                acks.append(sender_end.recv())
+        assert acks == ([] if corrupted == "b" else ["ok"])  # only the intact first bucket, if it is
 
 
 def test_a_vllm_without_the_weight_version_api_is_refused_before_an_engine_starts(monkeypatch, tmp_path):

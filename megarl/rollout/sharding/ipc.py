@@ -435,17 +435,20 @@ class MegarlWorkerExtension:
                         yield item
                     check_in_place(bucket, adopted)  # before the next bucket: its sender may reuse this one's memory
 
+            items = stream()
             if in_place:  # plain CPU weights (`plain_cpu_linear_weights`): the model's loaders copy into them
                 from vllm.config import set_current_vllm_config
 
                 with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                    in_place.load_checked(self.get_model().load_weights, stream())
-                if owned[0]:  # from the next update on the ranks write into the model (`ReplayingLoader.adopt`)
-                    in_place.adopt()
+                    in_place.load_checked(self.get_model().load_weights, items)
             else:
-                self.reload_weights(weights_iterator=stream())
-            if next(buckets, None) is not None:  # the update's end must be read here, not by the next update
-                raise RuntimeError("the model's weight loading stopped before the update's last bucket")
+                self.reload_weights(weights_iterator=items)
+            # the update's end must be read here, not by the next update; draining `items` (not `buckets`) runs
+            # the last bucket's deferred checks (check_in_place, tensors_checked_after's compare) first
+            if next(items, None) is not None:
+                raise RuntimeError("the model's weight loading stopped before the update's last tensor")
+            if in_place and owned[0]:  # from the next update on the ranks write into the model (`adopt`)
+                in_place.adopt()
         except BaseException:
             self._megarl_ipc = None
             conn.close()
