@@ -303,6 +303,10 @@ class ResourceConfig:
     """A local CPU run's worker processes fork from one process that imported torch, megatron-core,
     transformers (and vLLM) once, while the driver checked the run (`megarl.controller.fork_server`); false:
     Ray starts each from a fresh interpreter. Not used when joining a cluster (ray_address) or on GPUs."""
+    bind_cpus: bool = True
+    """accelerator=cpu: each worker process keeps to its share of its node's CPUs (by local rank), and so do the
+    threads and processes it starts (its vLLM engine core); false: every process may run on every CPU. Not used
+    on GPUs."""
     gpu_peak_tflops: float = 989.0
     """Dense bf16 peak TFLOP/s of one GPU, the denominator of MFU (H100/H200 SXM: 989; A100: 312)."""
 

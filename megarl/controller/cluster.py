@@ -64,7 +64,8 @@ class Cluster:
 
     def _worker_group(self, pool, env: dict, threads: int) -> WorkerGroup:
         group = WorkerGroup(pool, name=pool.name, env=env)
-        group.add_role("process", ProcessSetup, self.cfg.resources.accelerator, self.cfg.trainer.seed, threads)
+        res = self.cfg.resources
+        group.add_role("process", ProcessSetup, res.accelerator, self.cfg.trainer.seed, threads, res.bind_cpus)
         return group
 
     def trainable_roles(self) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """What every worker process and every model role shares.
 
-Owns: `ProcessSetup` (the process's torch.distributed world, CPU patches, threads, seed; built
-first in every worker), `EngineRole` (the base of the roles that hold a Megatron engine: the call
+Owns: `ProcessSetup` (the process's torch.distributed world, CPU patches, threads, CPU share, seed;
+built first in every worker), `EngineRole` (the base of the roles that hold a Megatron engine: the call
 boundary, checkpoints, HF export), `build_engine` (a role's engine on its own process groups) and
 `local_role` (a role built earlier in the same process, e.g. the actor the rollout role feeds).
 
@@ -58,9 +58,10 @@ def outside_device_mode():
 
 
 class ProcessSetup:
-    """The process: CPU patches (CPU only), torch.distributed over the worker group, threads, seed."""
+    """The process: CPU patches (CPU only), torch.distributed over the worker group, threads, seed; on CPU
+    (`bind_cpus`) its share of the node's CPUs (`keep_to_cpu_share`)."""
 
-    def __init__(self, accelerator: str, seed: int, threads: int = 1):
+    def __init__(self, accelerator: str, seed: int, threads: int = 1, bind_cpus: bool = True):
         import torch.distributed as dist
 
         if accelerator == "cpu":
@@ -68,6 +69,8 @@ class ProcessSetup:
 
             apply_cpu_patches()
             torch.set_num_threads(max(1, threads))
+            if bind_cpus:
+                keep_to_cpu_share(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             backend = "gloo"
         else:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -79,6 +82,36 @@ class ProcessSetup:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def cpu_share(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
+    """The CPUs of local rank `local_rank` of `local_size`: a contiguous share of `cpus`; with fewer CPUs
+    than ranks, one CPU, the ranks spread evenly over them."""
+    n = len(cpus)
+    start = local_rank * n // local_size
+    return cpus[start : max(start + 1, (local_rank + 1) * n // local_size)]
+
+
+def keep_to_cpu_share(local_rank: int, local_size: int) -> None:
+    """Every thread of this worker process (and so every thread and process it starts later: the vLLM
+    engine core it forks, torch's threads) keeps to the rank's share of the CPUs it may use (`cpu_share`).
+
+    Why: a CPU run's ranks each drive an engine (the rank's frontend and its forked engine core) and a
+    Megatron model; left to float, the quickstart's four busy processes crossed the two cores at every
+    step. One core per rank and its engine: generation 82-89 -> 73-75 ms a step, the weight sync 8.5-9.5 ->
+    6.8-7.4 ms, the step 177-194 -> 162-171 ms (3 runs each, alternating, 2026-11-28). Nothing else (the
+    driver, Ray's services, reward workers) is bound. Linux only; `resources.bind_cpus=false` turns it off."""
+    if local_size < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpu_share(cpus, local_rank, local_size)
+    if len(cpus) < 2 or share == cpus:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), share)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def build_engine(cfg, role: str, *, first: bool, value_head: bool = False, hf_path: Optional[str] = None):
