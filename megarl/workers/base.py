@@ -98,9 +98,10 @@ def keep_to_cpu_share(local_rank: int, local_size: int) -> None:
 
     Why: a CPU run's ranks each drive an engine (the rank's frontend and its forked engine core) and a
     Megatron model; left to float, the quickstart's four busy processes crossed the two cores at every
-    step. One core per rank and its engine: generation 82-89 -> 73-75 ms a step, the weight sync 8.5-9.5 ->
-    6.8-7.4 ms, the step 177-194 -> 162-171 ms (3 runs each, alternating, 2026-11-28). Nothing else (the
-    driver, Ray's services, reward workers) is bound. Linux only; `resources.bind_cpus=false` turns it off."""
+    step. One core per rank and its engine, 7 alternating pairs of quickstarts (2026-11-28): the step 175-222
+    -> 161-205 ms (shorter in 6 pairs, by 7% in the median one), generation 80-104 -> 71-92 ms, the weight
+    sync 8.3-11.1 -> 6.5-8.7 ms. Nothing else (the driver, Ray's services, reward workers) is bound. Linux
+    only; `resources.bind_cpus=false` turns it off."""
     if local_size < 2 or not hasattr(os, "sched_setaffinity"):
         return
     cpus = sorted(os.sched_getaffinity(0))
