@@ -68,19 +68,12 @@ def main() -> None:
             param.zero_()
         form()
         assert all(torch.equal(p, t) for p, (_, t) in zip(params, bucket.tensors()))
-    times = {name: [] for name in forms}
-    for _ in range(30):  # alternating: the machine's load hits every form alike
-        for name, form in forms.items():
-            start = time.perf_counter()
-            form()
-            times[name].append(time.perf_counter() - start)
+    times = alternating(forms, 30)
     print(
         f"one bucket of {bucket.buffer.numel() * 4 / 2**20:.0f} MiB, {len(SHAPES)} tensors; one pass native: "
         f"{copysum.available()}"
     )
-    for name, runs in times.items():
-        runs.sort()
-        print(f"  {name:16s} min {runs[0] * 1e3:6.2f} ms   median {runs[len(runs) // 2] * 1e3:6.2f} ms")
+    print_times(times, width=16, digits=2)
     best = {name: runs[0] for name, runs in times.items()}
     print(
         f"check-then-copy / copy-and-check: {best['check-then-copy'] / best['copy-and-check']:.2f}x   "
@@ -106,18 +99,29 @@ def adopted_checks() -> None:
         check_in_place(received, later)
 
     forms = {"adopted, per tensor": per_tensor, "adopted, per bucket": per_bucket}
+    times = alternating(forms, 300)
+    print(f"one bucket of {bucket.buffer.numel() * 4 / 2**20:.1f} MiB, {len(QUICKSTART_SHAPES)} tensors, adopted:")
+    print_times(times, width=20, digits=3)
+    median = {name: runs[len(runs) // 2] for name, runs in times.items()}
+    print(f"per tensor / per bucket: {median['adopted, per tensor'] / median['adopted, per bucket']:.2f}x")
+
+
+def alternating(forms: dict, rounds: int) -> dict[str, list[float]]:
+    """Each form's seconds over `rounds` rounds, sorted; the forms take turns in every round, so the machine's
+    load hits every form alike."""
     times = {name: [] for name in forms}
-    for _ in range(300):
+    for _ in range(rounds):
         for name, form in forms.items():
             start = time.perf_counter()
             form()
             times[name].append(time.perf_counter() - start)
-    print(f"one bucket of {bucket.buffer.numel() * 4 / 2**20:.1f} MiB, {len(QUICKSTART_SHAPES)} tensors, adopted:")
+    return {name: sorted(runs) for name, runs in times.items()}
+
+
+def print_times(times: dict[str, list[float]], width: int, digits: int) -> None:
     for name, runs in times.items():
-        runs.sort()
-        print(f"  {name:20s} min {runs[0] * 1e3:6.3f} ms   median {runs[len(runs) // 2] * 1e3:6.3f} ms")
-    median = {name: runs[len(runs) // 2] for name, runs in times.items()}
-    print(f"per tensor / per bucket: {median['adopted, per tensor'] / median['adopted, per bucket']:.2f}x")
+        low, mid = runs[0] * 1e3, runs[len(runs) // 2] * 1e3
+        print(f"  {name:{width}s} min {low:6.{digits}f} ms   median {mid:6.{digits}f} ms")
 
 
 if __name__ == "__main__":
