@@ -102,11 +102,11 @@ def keep_to_cpu_share(local_rank: int, local_size: int) -> None:
     -> 161-205 ms (shorter in 6 pairs, by 7% in the median one), generation 80-104 -> 71-92 ms, the weight
     sync 8.3-11.1 -> 6.5-8.7 ms. Nothing else (the driver, Ray's services, reward workers) is bound. Linux
     only; `resources.bind_cpus=false` turns it off."""
-    if local_size < 2 or not hasattr(os, "sched_setaffinity"):
+    if not hasattr(os, "sched_setaffinity"):
         return
     cpus = sorted(os.sched_getaffinity(0))
     share = cpu_share(cpus, local_rank, local_size)
-    if len(cpus) < 2 or share == cpus:
+    if share == cpus:  # one rank, or one CPU: nothing to keep to
         return
     for tid in os.listdir("/proc/self/task"):
         try:
