@@ -355,15 +355,20 @@ def main() -> None:
     finally:
         trainer.close()
     print_rows(best, trainer.bytes, 20)
-    share = best["ipc"] / best["ipc-unverified"] - 1
-    print(f"integrity check's share of the verified sync: {share:+.1%}", "(the pack's sums)" if trainer.tables else "")
-    print(f"  with the sums read back after the pack: {best['ipc-sums-read-back'] / best['ipc-unverified'] - 1:+.1%}")
+    share = {name: seconds / best["ipc-unverified"] - 1 for name, seconds in best.items()}
     print(
-        f"  with the engine checking each bucket before its copies: {best['ipc-check-first'] / best['ipc-unverified'] - 1:+.1%}"
+        f"integrity check's share of the verified sync: {share['ipc']:+.1%}",
+        "(the pack's sums)" if trainer.tables else "",
     )
-    for form in ("blocked", "per-tensor"):
-        if f"ipc-{form}-sums" in best:
-            print(f"  with {form} sums: {best[f'ipc-{form}-sums'] / best['ipc-unverified'] - 1:+.1%}")
+    others = {
+        "ipc-sums-read-back": "the sums read back after the pack",
+        "ipc-check-first": "the engine checking each bucket before its copies",
+        "ipc-blocked-sums": "blocked sums",
+        "ipc-per-tensor-sums": "per-tensor sums",
+    }
+    for name, form in others.items():
+        if name in share:  # the last two on a GPU only
+            print(f"  with {form}: {share[name]:+.1%}")
 
 
 if __name__ == "__main__":
