@@ -12,6 +12,7 @@ everywhere), dropless (no capacity factor, like HF), with the router normalisati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -104,6 +105,10 @@ def transformer_config(dims: ModelDims, layout: ParallelLayout, dtype: torch.dty
         # also for dense models: megatron-core refuses its default (allgather) with variable_seq_lengths
         moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
     )
+    if "cuda_graph_modules" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        # megatron-core 0.19's default, "full", warns at every build that it is deprecated for [] (the same: the
+        # whole layer; megarl captures no CUDA graphs)
+        kwargs["cuda_graph_modules"] = []
     kwargs.update(moe_config_kwargs(dims))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

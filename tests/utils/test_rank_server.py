@@ -82,10 +82,13 @@ def test_no_early_server_under_torchrun_or_where_ranks_are_spawned(monkeypatch, 
     assert forkserver._forkserver._forkserver_pid == before  # nothing started
 
 
+NOISE = ("Warning:", "DEPRECATED", "deprecated")  # what megatron-core, torch and vLLM printed around a conversion
+
+
 def test_the_convert_command_converts_prints_and_exits_with_its_code(tmp_path):
     """`python -m megarl.cli convert` (the console script's path: early server, then `os._exit` after the
-    atexit handlers) writes a checkpoint that converts back bit for bit, prints its line, and a bad input
-    still exits 2 with its one-line error."""
+    atexit handlers) writes a checkpoint that converts back bit for bit, prints its line and no dependency's
+    warnings, and a bad input still exits 2 with its one-line error."""
     from safetensors.torch import load_file
 
     from megarl.testing.models import save_tiny_hf_model
@@ -95,9 +98,11 @@ def test_the_convert_command_converts_prints_and_exits_with_its_code(tmp_path):
     to_mcore = [*cli, "hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--mcore-path", str(tmp_path / "mcore")]
     run = subprocess.run(to_mcore, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "wrote megatron checkpoint" in run.stdout, run.stderr[-3000:]
+    assert not any(noise in run.stderr for noise in NOISE), run.stderr  # megarl.utils.quiet
     back = [*cli, "mcore-to-hf", "--mcore-path", str(tmp_path / "mcore"), "--hf-path", str(tmp_path / "back")]
     run = subprocess.run(back, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "wrote HF checkpoint" in run.stdout, run.stderr[-3000:]
+    assert not any(noise in run.stderr for noise in NOISE), run.stderr
     before = load_file(tmp_path / "hf" / "model.safetensors")
     after = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
     assert set(before) == set(after) and all(before[k].equal(after[k]) for k in before)
