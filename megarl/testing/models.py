@@ -96,7 +96,7 @@ def save_tiny_hf_model(arch: str, path: str | Path, *, seed: int = 0, tokenizer=
 
     config = tiny_hf_config(arch, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms(model, seed)
     model.save_pretrained(str(path))
     if tokenizer is not None:
