@@ -261,11 +261,16 @@ def test_parameters_adopt_the_kept_buffer_then_updates_are_in_place_and_other_lo
     buffer[9] += 1.0
     loader.load_checked(model.load_weights, received.pending(later))
     assert later == [0, 1, 2, 3]
-    with pytest.raises(WeightUpdateError, match="'k'.*found as it was copied into the model"):
+    with pytest.raises(WeightUpdateError, match=r"'k' differ.*found as it was copied into the model"):
         check_in_place(received, later)
     with pytest.raises(WeightUpdateError, match="'k'"):
         check_in_place(received, [1, 3])
     check_in_place(received, [0, 2, 3])  # q, v and embed are as summed
+    buffer[-1] += 1.0  # embed's too: the message names k and counts the other one
+    with pytest.raises(WeightUpdateError, match=r"'k' \(and 1 more tensor\(s\) of its bucket\) differ"):
+        check_in_place(received, later)
+    with pytest.raises(WeightUpdateError, match=r"'embed' differ"):
+        check_in_place(received, [0, 2, 3])
     other = kept_update(torch.empty(44), 3)  # other tensors, from elsewhere: the real loader, after a release
     other = [other[0], other[3]]
     loader.load(model.load_weights, iter(other))

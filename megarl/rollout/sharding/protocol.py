@@ -148,16 +148,18 @@ class PendingCheck:
         else:
             self.later.append(self.index)
 
-    def check(self, got: Optional[int] = None, *, loaded: bool = False) -> None:
+    def check(self, got: Optional[int] = None, *, loaded: bool = False, more: int = 0) -> None:
         """Raise WeightUpdateError naming the tensor where its checksum differs from the sender's: `got`, its
-        words' sum taken while copying it in (`loaded`: it is in the model now), else taken here."""
+        words' sum taken while copying it in (`loaded`: it is in the model now), else taken here. `more`: how
+        many other tensors of the bucket were found to differ with it (said in the message)."""
         expected = int(self.bucket.expected[self.index])
         if got is None:
             got = int(checksums(FlatBucket(self.bucket.buffer, (self.bucket.entries[self.index],)))[0])
         if got != expected:
+            others = f" (and {more} more tensor(s) of its bucket)" if more else ""
             raise WeightUpdateError(
-                f"weight bucket corrupted on the way: the bytes of tensor {self.name!r} differ from what the"
-                " trainer sent (checksum mismatch); "
+                f"weight bucket corrupted on the way: the bytes of tensor {self.name!r}{others} differ from what"
+                " the trainer sent (checksum mismatch); "
                 + (
                     "found as it was copied into the model"
                     if loaded
@@ -327,11 +329,12 @@ def check_in_place(bucket: FlatBucket, indices: list[int]) -> None:
 
 def _compare(bucket: FlatBucket, got: torch.Tensor, indices: Optional[list[int]] = None) -> None:
     """`got`, the sums of the bucket's tensors (those at `indices`), against the sender's; a mismatch raises
-    `PendingCheck.check`'s error (found in the model) for the first tensor that differs."""
+    `PendingCheck.check`'s error (found in the model) for the first tensor that differs, with how many more do."""
     expected = bucket.expected if indices is None else bucket.expected[indices]
     if not torch.equal(got, expected):
-        first = int((got != expected).nonzero()[0])
-        PendingCheck(bucket, first if indices is None else indices[first]).check(int(got[first]), loaded=True)
+        first, *rest = (got != expected).nonzero().flatten().tolist()
+        check = PendingCheck(bucket, first if indices is None else indices[first])
+        check.check(int(got[first]), loaded=True, more=len(rest))
 
 
 def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:
