@@ -615,6 +615,73 @@ def test_a_gpu_workers_bucket_hands_on_every_view_before_its_checksums_are_compa
         next(ipc.loader_tensors(received))
 
 
+def test_a_gpu_workers_loader_refusing_a_corrupted_bucket_fails_the_update_with_the_checksum_error(monkeypatch):
+    """A GPU worker hands vLLM's loaders a bucket's views before it compares the bucket's sums (`ipc.loader_tensors`).
+    A loader that refuses the corrupted values itself (as a quantization scale's range check may) must not hide
+    what happened: the update fails with the checksum mismatch naming the tensor, the loader's error its cause.
+    A loader failing on an intact bucket keeps its own error. A fake worker over a pipe, the GPU form on CPU."""
+    from multiprocessing import Pipe
+
+    from megarl.rollout.sharding import ipc, protocol
+    from megarl.rollout.sharding.plan import HFSlot
+
+    monkeypatch.setattr(ipc, "loader_tensors", lambda bucket: bucket.tensors_checked_after())
+
+    def refusing_loader(weights_iterator):
+        for name, tensor in weights_iterator:
+            if tensor.abs().max() > 100:
+                raise RuntimeError(f"{name}: a value out of range")
+
+    entries = (HFSlot("a", (2,), 0), HFSlot("b", (2,), 2))
+    for corrupted in (True, False):
+        memory = torch.randn(4)
+        if not corrupted:
+            memory[3] = 1000.0  # the trainer sent it so: the sums agree
+        sums = protocol.checksums(protocol.FlatBucket(memory, entries)).tolist()
+        memory[3] = 1000.0  # after the sums, where corrupted
+        worker_end, sender_end = Pipe()
+        sender_end.send((None, 0, (0, 4, torch.float32), entries, None, sums, True))
+        worker = ipc.MegarlWorkerExtension()
+        worker._megarl_in_place = lambda: None
+        worker.reload_weights = refusing_loader
+        worker._megarl_channel = lambda address, authkey, conn=worker_end, memory=memory: (
+            conn,
+            {0: memory.view(torch.uint8)},
+        )
+        if corrupted:
+            with pytest.raises(WeightUpdateError, match=r"'b'.*checksum mismatch.*found as it was copied") as failed:
+                worker.megarl_reload_by_ipc("address", b"key")
+            assert "out of range" in str(failed.value.__cause__)
+        else:
+            with pytest.raises(RuntimeError, match="b: a value out of range"):
+                worker.megarl_reload_by_ipc("address", b"key")
+
+    # a bucket checked and acknowledged is not checked again: its sender may reuse the memory at once
+    class Reusing:  # the worker's end; the sender writes other bytes into the bucket once it hears "ok"
+        def __init__(self, conn):
+            self.conn = conn
+
+        def recv(self):
+            return self.conn.recv()
+
+        def send(self, message):
+            memory.add_(1.0)
+            self.conn.send(message)
+
+        def close(self):
+            self.conn.close()
+
+    memory = torch.randn(4)
+    worker_end, sender_end = Pipe()
+    sums = protocol.checksums(protocol.FlatBucket(memory, entries)).tolist()
+    sender_end.send((None, 0, (0, 4, torch.float32), entries, None, sums, True))
+    worker.reload_weights = lambda weights_iterator: list(weights_iterator)
+    worker._megarl_channel = lambda address, authkey: (Reusing(worker_end), {0: memory.view(torch.uint8)})
+    sender_end.close()  # and then the sender goes: the update fails on the connection, not on a checksum
+    with pytest.raises((EOFError, OSError)):
+        worker.megarl_reload_by_ipc("address", b"key")
+
+
 def _rollout_imports(path: Path) -> set[str]:
     """megarl.rollout modules a file imports (anywhere in it, lazy imports included)."""
     found = set()

@@ -71,6 +71,7 @@ from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import (
     FlatBucket,
     UpdateProgress,
+    WeightUpdateError,
     announced,
     check_bucket,
     check_in_place,
@@ -373,6 +374,19 @@ def loader_tensors(bucket: FlatBucket) -> Iterator[tuple[str, torch.Tensor]]:
     return bucket.tensors_checked_after() if bucket.buffer.is_cuda else iter(bucket.tensors())
 
 
+def _corruption_first(bucket: Optional[FlatBucket], err: BaseException) -> None:
+    """Where the model's loaders failed on a bucket whose checksums a GPU worker compares only after handing them
+    every view (`loader_tensors`): if its bytes differ from what the trainer sent, that is what failed (a loader
+    may refuse corrupted values, e.g. a quantization scale), so the checksum error is raised, the loader's as its
+    cause. Elsewhere (checked first, or the error was the check's own) nothing changes."""
+    if bucket is None or not isinstance(err, Exception) or isinstance(err, WeightUpdateError):
+        return
+    try:
+        bucket.check_loaded()
+    except WeightUpdateError as corrupted:
+        raise corrupted from err
+
+
 def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
     return str(torch.cuda.get_device_properties(tensor.device).uuid) if tensor.is_cuda else None
 
@@ -424,16 +438,19 @@ class MegarlWorkerExtension:
         conn, mapped = self._megarl_channel(address, authkey)
         buckets = receive_buckets(conn, mapped)
         owned = [True]  # every bucket lay in buffers the sender keeps for this engine alone
+        current: list[Optional[FlatBucket]] = [None]  # the bucket being loaded, until its checks are done
         try:
 
             def stream():  # in place: (name, view, its pending check); each tensor checked as it is copied
                 for bucket in buckets:  # (adopted ones: together once the loader is done with the bucket)
                     owned[0] &= bucket.kept
+                    current[0] = bucket
                     adopted: list[int] = []
                     for item in bucket.pending(adopted) if in_place else loader_tensors(bucket):
                         names.append(item[0])
                         yield item
                     check_in_place(bucket, adopted)  # before the next bucket: its sender may reuse this one's memory
+                    current[0] = None  # checked whole: from the next pull on its memory may hold other bytes
 
             items = stream()
             if in_place:  # plain CPU weights (`plain_cpu_linear_weights`): the model's loaders copy into them
@@ -449,9 +466,12 @@ class MegarlWorkerExtension:
                 raise RuntimeError("the model's weight loading stopped before the update's last tensor")
             if in_place and owned[0]:  # from the next update on the ranks write into the model (`adopt`)
                 in_place.adopt()
-        except BaseException:
+        except BaseException as err:
             self._megarl_ipc = None
-            conn.close()
+            try:
+                _corruption_first(current[0], err)  # before the sender hears of it: the bucket is still this update's
+            finally:
+                conn.close()
             raise
         if not in_place:
             repack_after_reload(self, names)

@@ -83,6 +83,13 @@ class FlatBucket:
         yield from ((e.name, self._view(e)) for e in self.entries)
         _compare(self, got)
 
+    def check_loaded(self) -> None:
+        """Compare the bucket's checksums now, its tensors perhaps in the model already: a mismatch raises
+        `PendingCheck.check`'s error (found in the model). Where a consumer of `tensors_checked_after` failed
+        before asking past the last view (`ipc.MegarlWorkerExtension`: a loader that refused corrupted values)."""
+        if self.expected is not None:
+            _compare(self, checksums(self))
+
     def pending(self, in_place: Optional[list[int]] = None) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
         """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
         as it copies it (`load_plan.ReplayingLoader.load_checked`). The check is None without `expected`.
