@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Everything the tool quickstart trains on, built locally in a few minutes on one core (no download):
 
-    python scripts/prepare_tool_quickstart.py --model runs/tool_quickstart/model --data data/tool_arithmetic [--seed 0]
+    python scripts/prepare_tool_quickstart.py --model runs/quickstart_tool/model --data data/tool_arithmetic [--seed 0]
 
 1. the character-level tokenizer with the compact tool template (`Tools: calculator` as the system
    line, Hermes `<tool_call>` calls, `tool` turns) and a tiny Qwen2 (3 layers, hidden 128, 4 heads of 32);
@@ -61,7 +61,7 @@ def build_model(model_dir: Path, seed: int):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="runs/tool_quickstart/model", help="where the tiny policy is written")
+    parser.add_argument("--model", default="runs/quickstart_tool/model", help="where the tiny policy is written")
     parser.add_argument("--data", default="data/tool_arithmetic", help="where train/test parquet files are written")
     parser.add_argument("--train-rows", type=int, default=4000, help="train problems")
     parser.add_argument("--test-problems", type=int, default=128, help="distinct held-out problems")

@@ -27,9 +27,11 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-bash scripts/setup.sh
 RUN_DIR=${1:-runs/${ALGO}_quickstart}
 shift || true
+source scripts/run_dir.sh
+check_run_dir "$RUN_DIR" runs/quickstart/model data/arithmetic  # before the set-up and the warm-up
+bash scripts/setup.sh
 PY=.venv/bin/python
 "$PY" scripts/prepare_quickstart.py --model runs/quickstart/model --data data/arithmetic --seed "$SEED" "${REBUILD[@]}"
 rm -rf "$RUN_DIR"  # a fresh run each time (trainer.resume=auto would continue the previous one)

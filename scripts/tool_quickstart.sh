@@ -23,11 +23,13 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-bash scripts/setup.sh
 RUN_DIR=${1:-runs/tool_quickstart}
 shift || true
+source scripts/run_dir.sh
+check_run_dir "$RUN_DIR" runs/quickstart_tool/model data/tool_arithmetic  # before the set-up and the warm-up
+bash scripts/setup.sh
 PY=.venv/bin/python
-"$PY" scripts/prepare_tool_quickstart.py --model runs/tool_quickstart/model --data data/tool_arithmetic --seed "$SEED" "${REBUILD[@]}"
+"$PY" scripts/prepare_tool_quickstart.py --model runs/quickstart_tool/model --data data/tool_arithmetic --seed "$SEED" "${REBUILD[@]}"
 rm -rf "$RUN_DIR"  # a fresh run each time
 start=$(date +%s)
 "$PY" -m megarl.cli train --config configs/tool_agent_quickstart.yaml trainer.run_dir="$RUN_DIR" \
