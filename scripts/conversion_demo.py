@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Conversion + parity demo: a tiny Qwen2 model goes HF → megatron-core (TP2×PP2) → HF, exactly.
 
-    python scripts/conversion_demo.py --out runs/quickstart
+    python scripts/conversion_demo.py                  # into runs/conversion_demo
     python scripts/conversion_demo.py --out /tmp/demo --tp 1 --pp 1     # one GPU (scripts/gpu_check.sh)
 
 Steps, each printed: build a tiny Qwen2 from a config (no download) and save it; check megatron
 logits against transformers at TP2×PP2 (--tp/--pp); convert to a megatron distributed checkpoint at
-that layout; convert back at TP1; compare every tensor bit for bit. One rank per GPU with CUDA.
+that layout; convert back at TP1; compare every tensor bit for bit. One rank per GPU with CUDA. A rerun
+replaces the demo's three directories under --out (hf, mcore, hf_roundtrip) and nothing else there.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def _tensors(path: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/quickstart")
+    parser.add_argument("--out", default="runs/conversion_demo")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
+    for previous in ("hf", "mcore", "hf_roundtrip"):  # the last demo's; the rest of --out is not the demo's
+        shutil.rmtree(out / previous, ignore_errors=True)
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     start = time.perf_counter()
 

@@ -85,3 +85,16 @@ def test_a_run_directory_holding_what_the_run_needs_or_anything_else_is_refused_
     assert run.returncode == 2 and error in run.stderr, run.stderr
     assert not (sandbox / "stub.log").exists()  # neither the set-up nor any Python ran
     assert (sandbox / "notes" / "mine.txt").read_text() == "kept" and (sandbox / "scripts").is_dir()
+
+
+def test_the_conversion_demo_replaces_only_its_own_directories(tmp_path):
+    """It removed its whole --out first, by default runs/quickstart: the GRPO quickstart's prepared model."""
+    import sys
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    demo = [sys.executable, "scripts/conversion_demo.py", "--out", str(tmp_path), "--tp", "1", "--pp", "1"]
+    for _ in range(2):
+        run = subprocess.run(demo, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "bit-exact: True" in run.stdout, run.stderr[-3000:]
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
