@@ -385,6 +385,8 @@ def _corruption_first(bucket: Optional[FlatBucket], err: BaseException) -> None:
         bucket.check_loaded()
     except WeightUpdateError as corrupted:
         raise corrupted from err
+    except Exception:  # noqa: BLE001 - the check could not run (e.g. the GPU in an error state): the loader's error stands
+        return
 
 
 def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
