@@ -66,10 +66,11 @@ def main(argv=None) -> dict:
         return reused
     import torch
 
-    torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync (10x slower when cores are busy)
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
-    from megarl.trainer.sft import greedy_answers, off_by_one_teacher, sft_examples, sft_warmup
+    from megarl.trainer.sft import greedy_answers, off_by_one_teacher, sft_examples, sft_warmup, warmup_threads
+
+    torch.set_num_threads(warmup_threads())
 
     start = time.perf_counter()
     tok = build_model(Path(args.model), args.seed)

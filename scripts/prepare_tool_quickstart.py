@@ -99,14 +99,14 @@ def main(argv=None) -> dict:
     if (reused := cache.reuse(args.force)) is not None:
         return reused
     import torch
-
-    torch.set_num_threads(1)  # tiny matrices: a second thread only adds sync
     from transformers import AutoModelForCausalLM
 
     from megarl.agent.tools import ToolSet
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
-    from megarl.trainer.sft import exact_share, sft_warmup
+    from megarl.trainer.sft import exact_share, sft_warmup, warmup_threads
+
+    torch.set_num_threads(warmup_threads())
     from megarl.trainer.tool_sft import tool_call_examples
 
     start = time.perf_counter()
