@@ -1,10 +1,11 @@
 """Dependencies' warnings that tell a megarl user nothing, kept off the console.
 
-Owns: `WARNINGS`, `CPU_WARNINGS`, `LOG_RECORDS` and `install()`, which `import megarl` calls: the filters then hold
-in every process of a run (the fork servers import megarl before megatron-core, and the ranks, Ray workers and
-vLLM engine cores are forked from them). A conversion of a tiny model printed twelve such lines around its one
-line of output, a CPU training run eight before its first step. Each entry is one known message, matched from its
-start (anything else the same code warns stays visible), and says why it is noise:
+Owns: `WARNINGS`, `CPU_WARNINGS`, `LOG_RECORDS`, `CPU_LOG_RECORDS` and `install()`, which `import megarl` calls:
+the filters then hold in every process of a run (the fork servers import megarl before megatron-core, and the
+ranks, Ray workers and vLLM engine cores are forked from them). `megarl convert` of a tiny model printed 14
+(hf-to-mcore) and 21 (mcore-to-hf) such lines around its one line of output, a CPU `megarl train` 11 before its
+first step. Each entry is one known message, matched from its start (anything else the same code warns stays
+visible); why each is noise:
 
 * megatron-core's `checkpoint.load(state, reader, no_dist=True)` in its torch_dist load strategy (a positional
   reader, and no process group on purpose): torch warns about both on every load.
