@@ -71,11 +71,11 @@ from megarl.rollout.sharding.plan import HFSpec
 from megarl.rollout.sharding.protocol import (
     FlatBucket,
     UpdateProgress,
-    WeightUpdateError,
     announced,
     check_bucket,
     check_in_place,
     checksums,
+    corruption_first,
     verify_bucket,
 )
 from megarl.rollout.sharding.transport import KeptBuffers
@@ -374,21 +374,6 @@ def loader_tensors(bucket: FlatBucket) -> Iterator[tuple[str, torch.Tensor]]:
     return bucket.tensors_checked_after() if bucket.buffer.is_cuda else iter(bucket.tensors())
 
 
-def _corruption_first(bucket: Optional[FlatBucket], err: BaseException) -> None:
-    """Where the model's loaders failed on a bucket whose checksums a GPU worker compares only after handing them
-    every view (`loader_tensors`): if its bytes differ from what the trainer sent, that is what failed (a loader
-    may refuse corrupted values, e.g. a quantization scale), so the checksum error is raised, the loader's as its
-    cause. Elsewhere (checked first, or the error was the check's own) nothing changes."""
-    if bucket is None or not isinstance(err, Exception) or isinstance(err, WeightUpdateError):
-        return
-    try:
-        bucket.check_loaded()
-    except WeightUpdateError as corrupted:
-        raise corrupted from err
-    except Exception:  # noqa: BLE001 - the check could not run (e.g. the GPU in an error state): the loader's error stands
-        return
-
-
 def _device_uuid(tensor: torch.Tensor) -> Optional[str]:
     return str(torch.cuda.get_device_properties(tensor.device).uuid) if tensor.is_cuda else None
 
@@ -471,7 +456,7 @@ class MegarlWorkerExtension:
         except BaseException as err:
             self._megarl_ipc = None
             try:
-                _corruption_first(current[0], err)  # before the sender hears of it: the bucket is still this update's
+                corruption_first(current[0], err)  # before the sender hears of it: the bucket is still this update's
             finally:
                 conn.close()
             raise

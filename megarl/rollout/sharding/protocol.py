@@ -9,7 +9,8 @@ bucketing of tensors that do not come from the sharding manager),
 shared-memory buffers, their pages reserved at once: no room in /dev/shm is a MemoryError, not a
 SIGBUS) and the integrity check of transports that move bytes (`checksums` on the trainer's side,
 `verify_bucket` on the engine's: a received bucket carries the sums until its tensors are taken;
-`PendingCheck`, one tensor's, for a consumer that checks as it copies: `pending_tensors`). Imports torch,
+`PendingCheck`, one tensor's, for a consumer that checks as it copies: `pending_tensors`; `corruption_first`, for
+a consumer that failed before a deferred check ran). Imports torch,
 `plan`, `shm`, `copysum` and `devicesum` only (Triton only when a GPU bucket is summed): no engine, no
 transport, no vLLM / Ray.
 
@@ -342,6 +343,22 @@ def _compare(bucket: FlatBucket, got: torch.Tensor, indices: Optional[list[int]]
         first, *rest = (got != expected).nonzero().flatten().tolist()
         check = PendingCheck(bucket, first if indices is None else indices[first])
         check.check(int(got[first]), loaded=True, more=len(rest))
+
+
+def corruption_first(bucket: Optional[FlatBucket], err: BaseException) -> None:
+    """Where a consumer failed on a bucket whose checksums are compared only after it was handed every view
+    (`FlatBucket.tensors_checked_after`: vLLM's loaders in a GPU worker, `ipc.loader_tensors`): if the bucket's
+    bytes differ from what the trainer sent, that is what failed (a loader may refuse corrupted values, e.g. a
+    quantization scale), so the checksum error is raised, the consumer's as its cause. Elsewhere (checked first,
+    the error was the check's own, or the check cannot run) nothing changes."""
+    if bucket is None or not isinstance(err, Exception) or isinstance(err, WeightUpdateError):
+        return
+    try:
+        bucket.check_loaded()
+    except WeightUpdateError as corrupted:
+        raise corrupted from err
+    except Exception:  # noqa: BLE001 - the check could not run (e.g. the GPU in an error state): the loader's error stands
+        return
 
 
 def verify_bucket(bucket: FlatBucket, expected: torch.Tensor) -> FlatBucket:
