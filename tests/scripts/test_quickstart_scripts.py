@@ -93,8 +93,10 @@ def test_the_conversion_demo_replaces_only_its_own_directories(tmp_path):
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    for previous in ("hf", "mcore", "hf_roundtrip"):  # a last demo's output, which a converter would not overwrite
+        (tmp_path / previous).mkdir()
+        (tmp_path / previous / "stale").write_text("")
     demo = [sys.executable, "scripts/conversion_demo.py", "--out", str(tmp_path), "--tp", "1", "--pp", "1"]
-    for _ in range(2):
-        run = subprocess.run(demo, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0 and "bit-exact: True" in run.stdout, run.stderr[-3000:]
-    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+    run = subprocess.run(demo, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "bit-exact: True" in run.stdout, run.stderr[-3000:]
+    assert (tmp_path / "model" / "config.json").read_text() == "{}" and not list(tmp_path.glob("*/stale"))
