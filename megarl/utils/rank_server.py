@@ -35,13 +35,18 @@ PRELOAD = [  # a module that is not installed (megatron.core on a machine withou
 _GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD: ranks are spawned there, not forked
 
 
+def gpu_machine() -> bool:
+    """Whether this machine has GPUs, told by their driver's device files (no torch or CUDA import)."""
+    return any(os.path.exists(path) for path in _GPU_DEVICE_FILES)
+
+
 def start_early() -> bool:
     """Start the forkserver with `PRELOAD` now, without waiting for its imports; False where no rank will
     be forked from it: under torchrun (the ranks exist already) or on a machine with GPUs (ranks are spawned
     there, as `run_distributed` does where CUDA is available)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return False
-    if any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+    if gpu_machine():
         return False
     import multiprocessing
     from multiprocessing import forkserver

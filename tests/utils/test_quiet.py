@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.utils import quiet
+from megarl.utils import rank_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,9 +33,7 @@ def _stderr(**env) -> str:
     return run.stderr
 
 
-@pytest.mark.skipif(
-    any(os.path.exists(path) for path in quiet._GPU_DEVICE_FILES), reason="on GPUs the CUDA libraries' notes stay"
-)
+@pytest.mark.skipif(rank_server.gpu_machine(), reason="on GPUs the CUDA libraries' notes stay")
 def test_known_warnings_and_log_records_are_dropped_on_a_cpu_machine_and_other_ones_from_the_same_code_stay():
     quiet_run, loud_run = _stderr(), _stderr(MEGARL_QUIET="0")
     for known in ("Transformer Engine and Apex are not installed", "Falling back to Torch Norm", "IS DEPRECATED"):
