@@ -84,13 +84,6 @@ class FlatBucket:
         yield from ((e.name, self._view(e)) for e in self.entries)
         _compare(self, got)
 
-    def check_loaded(self) -> None:
-        """Compare the bucket's checksums now, its tensors perhaps in the model already: a mismatch raises
-        `PendingCheck.check`'s error (found in the model). Where a consumer of `tensors_checked_after` failed
-        before asking past the last view (`ipc.MegarlWorkerExtension`: a loader that refused corrupted values)."""
-        if self.expected is not None:
-            _compare(self, checksums(self))
-
     def pending(self, in_place: Optional[list[int]] = None) -> list[tuple[str, torch.Tensor, Optional[PendingCheck]]]:
         """(name, view, its check) per entry, nothing checked yet: for a consumer that checks each tensor itself,
         as it copies it (`load_plan.ReplayingLoader.load_checked`). The check is None without `expected`.
@@ -351,10 +344,15 @@ def corruption_first(bucket: Optional[FlatBucket], err: BaseException) -> None:
     bytes differ from what the trainer sent, that is what failed (a loader may refuse corrupted values, e.g. a
     quantization scale), so the checksum error is raised, the consumer's as its cause. Elsewhere (checked first,
     the error was the check's own, or the check cannot run) nothing changes."""
-    if bucket is None or not isinstance(err, Exception) or isinstance(err, WeightUpdateError):
+    if (
+        bucket is None
+        or bucket.expected is None
+        or not isinstance(err, Exception)
+        or isinstance(err, WeightUpdateError)
+    ):
         return
     try:
-        bucket.check_loaded()
+        _compare(bucket, checksums(bucket))  # a mismatch: `PendingCheck.check`'s error, found in the model
     except WeightUpdateError as corrupted:
         raise corrupted from err
     except Exception:  # noqa: BLE001 - the check could not run (e.g. the GPU in an error state): the loader's error stands
