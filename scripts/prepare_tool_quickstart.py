@@ -105,9 +105,9 @@ def main(argv=None) -> dict:
     from megarl.data.datasets import load_rows
     from megarl.data.tasks import write_task_splits
     from megarl.trainer.sft import exact_share, sft_warmup, warmup_threads
+    from megarl.trainer.tool_sft import tool_call_examples
 
     torch.set_num_threads(warmup_threads())
-    from megarl.trainer.tool_sft import tool_call_examples
 
     start = time.perf_counter()
     tok = build_model(Path(args.model), args.seed)
