@@ -49,6 +49,8 @@ FAILURE_GRACE_S = 5.0
 
 # Ports `free_port` draws from when the OS's ephemeral range is known: below that range.
 _LOW_PORT = 10000
+_handed_out: set[int] = set()
+"""Ports `free_port` returned in this process: a port handed out but not bound yet is free to a second draw."""
 
 
 def free_port() -> int:
@@ -57,16 +59,21 @@ def free_port() -> int:
     The caller binds it later (a rank's store, often seconds later). A port from the ephemeral range
     (what binding port 0 returns) can be taken in between by any socket the OS numbers itself: gloo's
     pair connections, every outgoing connection. Below the range only another explicit bind can take it.
-    Falls back to an ephemeral port where the range cannot be read (not Linux).
+    Falls back to an ephemeral port where the range cannot be read (not Linux). Never returns a port it
+    returned before in this process (two draws before either is bound once gave the same one: a benchmark's
+    weight group and its ranks' store, EADDRINUSE).
     """
     low, _ = _ephemeral_range()
     candidates = random.SystemRandom().sample(range(_LOW_PORT, low), min(64, max(low - _LOW_PORT, 0)))
     for port in candidates:
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
