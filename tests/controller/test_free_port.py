@@ -51,3 +51,15 @@ def test_a_taken_port_is_never_returned(monkeypatch):
 def test_without_a_known_range_the_os_picks(monkeypatch):
     monkeypatch.setattr(distributed, "_ephemeral_range", lambda: (distributed._LOW_PORT, 65535))
     assert _bindable(free_port())
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(monkeypatch):
+    # weight_sync.py drew its weight group's port, then run_distributed its ranks' store port: the same one
+    # came back (nothing had bound the first yet) and rank 0 failed with EADDRINUSE
+    class SameDraws(distributed.random.Random):
+        def sample(self, population, k):
+            return list(population)[:k]  # every call the same candidates in the same order
+
+    monkeypatch.setattr(distributed.random, "SystemRandom", SameDraws)
+    ports = [free_port() for _ in range(3)]
+    assert len(set(ports)) == 3 and all(_bindable(p) for p in ports), ports

@@ -98,19 +98,3 @@ def test_ranks_are_spawned_where_cuda_is_available(monkeypatch):
     assert run_distributed(parent_pid, 1, apply_patches=False) != [os.getpid()]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run_distributed(parent_pid, 1, apply_patches=False) == [os.getpid()]
-
-
-def test_free_port_never_hands_out_a_port_twice_before_it_is_bound(monkeypatch):
-    # a benchmark drew its weight group's port, then run_distributed drew its ranks' store port: the same one
-    # came back (nothing bound the first yet) and rank 0 failed with EADDRINUSE
-    import random
-
-    from megarl.utils import distributed
-
-    class SameDraws(random.Random):
-        def sample(self, population, k):
-            return list(population)[:k]  # every call the same candidates, in the same order
-
-    monkeypatch.setattr(distributed.random, "SystemRandom", SameDraws)
-    ports = [distributed.free_port() for _ in range(3)]
-    assert len(set(ports)) == 3, ports
