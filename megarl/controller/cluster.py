@@ -61,6 +61,8 @@ class Cluster:
         else:
             self.rollout = ColocatedEngines(cfg, actor_group)
         self.startup["engines"] = time.perf_counter() - start
+        for group in self.groups.values():  # what the start-up built stays out of the training's collections
+            group.get(group.execute_all("process.freeze_heap"))
 
     def _worker_group(self, pool, env: dict, threads: int) -> WorkerGroup:
         group = WorkerGroup(pool, name=pool.name, env=env)
