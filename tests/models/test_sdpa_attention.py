@@ -62,5 +62,6 @@ def test_sdpa_attention_equals_megatrons_forward_and_backward_at_tp1_and_tp2():
     for tp in (1, 2):
         for rank_results in run_distributed(attention_rank, tp, tp):
             for name, (megatron, sdpa) in rank_results.items():
-                for got, want in zip(sdpa, megatron):
-                    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5, msg=f"tp {tp}, mask {name}")
+                for got, want in zip(sdpa, megatron):  # fp32 rounding only: on a Xeon VM the fused kernel's
+                    # query gradient (values up to ~5) differed by up to 3.6e-6; a wrong mask or scale is off by > 0.1
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"tp {tp}, mask {name}")
