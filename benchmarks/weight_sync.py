@@ -7,7 +7,7 @@
 Buckets are bounded by the sharding manager's default (`plan.DEFAULT_BUCKET_BYTES`, 256 MiB: what a training run's
 syncs use) unless --bucket-mb says otherwise; until 2026-11-27 this benchmark's default was 16 MiB, which makes 22
 buckets of the 100M model instead of 4 (more round trips per sync: IPC 0.37–0.49× of a copy against 0.51–0.71× at
-256 MiB in the same hour), and the README's earlier rows were measured with it.
+256 MiB in the same hour), and benchmarks/HISTORY.md's earlier rows were measured with it.
 
 Four gloo ranks on CPU hold a megatron-core Llama at TP2×PP2, loaded from a random HF checkpoint
 written for the run; rank 0 is the rollout rank. Measured in the same run, alternating, best of
