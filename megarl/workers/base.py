@@ -86,7 +86,7 @@ class ProcessSetup:
     def freeze_heap(self) -> None:
         """Keep what the start-up built (imports, models, the engine's frontend) out of this process's garbage
         collections from now on (`gc.freeze`), as the driver does (`megarl.trainer.run`). A worker Ray starts
-        plainly (GPUs; `resources.fork_workers=false` on CPU) held ~1.2 M tracked objects after it: each full
+        plainly (GPUs; `resources.fork_workers=false` on CPU) held ~0.6 M tracked objects after it: each full
         collection during training walked them all, 300-370 ms, twice in the CPU quickstart's 100 steps, with
         the other ranks waiting for it at the next collective. Workers forked from the fork server inherit its
         imports frozen already; this freezes what they built after the fork too."""
