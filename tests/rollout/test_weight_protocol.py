@@ -538,7 +538,7 @@ def test_delta_broadcast_sends_only_the_changed_elements_and_the_engine_equals_a
 
 @pytest.mark.parametrize("numel, offset", [(1000, 0), (1001, 1)])
 def test_a_delta_holds_exactly_the_changed_elements_until_it_would_not_be_smaller(numel, offset):
-    from megarl.rollout.sharding.broadcast import _changed
+    from megarl.rollout.sharding.delta import changed_elements
 
     held = torch.randn(numel + offset).to(torch.bfloat16)[offset:]
     dense = numel * 2 / 6  # int32 index + bf16 value per change against 2 bytes per element
@@ -549,10 +549,10 @@ def test_a_delta_holds_exactly_the_changed_elements_until_it_would_not_be_smalle
         return new
 
     for positions in (torch.tensor([3, 4, 5, numel - 1]), torch.arange(0, numel, 4)):  # a quarter: still smaller
-        got = _changed(changed_at(positions), held)
+        got = changed_elements(changed_at(positions), held)
         assert got is not None and got.dtype == torch.int32 and got.tolist() == positions.tolist()
-    assert _changed(changed_at(torch.arange(int(dense) + 1)), held) is None  # indices + values not smaller
-    assert _changed(held.clone(), held).numel() == 0
+    assert changed_elements(changed_at(torch.arange(int(dense) + 1)), held) is None  # indices + values not smaller
+    assert changed_elements(held.clone(), held).numel() == 0
 
 
 def loading_worker(sender, loaded: list):

@@ -49,9 +49,9 @@ import queue
 import threading
 from typing import Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 
+from megarl.rollout.sharding.delta import DELTA_DTYPES, changed_elements
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, HFSlot, HFSpec
 from megarl.rollout.sharding.protocol import (
     FlatBucket,
@@ -72,7 +72,6 @@ __all__ = ["BroadcastReceiver", "BroadcastSender", "WeightGroup"]
 _BEGIN, _BUCKET, _END, _DELTA, _SHARED = 2, 1, 0, 3, 4
 """Kinds of the control message that precedes every part of an update: [kind, value, new layout] (for
 `_BEGIN`: [kind, version, buckets cross by shared memory])."""
-_DELTA_DTYPES = (torch.bfloat16, torch.float16)
 _FAILED = "failed: "
 """How a receiver's final reply starts when its engine failed the update (its version otherwise)."""
 
@@ -163,7 +162,7 @@ class BroadcastSender:
         copy (int32 indices + values; whole when that is not smaller); then its checksums (`verify`)."""
         layout, new = self._layout(position, bucket)
         buffer = bucket.buffer if bucket.buffer.device == self.group.device else bucket.buffer.to(self.group.device)
-        changed = _changed(buffer, self._held.get(position)) if self.delta and not new else None
+        changed = changed_elements(buffer, self._held.get(position)) if self.delta and not new else None
         kind, value = (_BUCKET, buffer.numel()) if changed is None else (_DELTA, len(changed))
         self._announce(kind, value, position, layout, new)
         if changed is None:
@@ -183,7 +182,7 @@ class BroadcastSender:
         moving.wait()
         if sums is not None:
             self.group.broadcast(sums)
-        if self.delta and buffer.dtype in _DELTA_DTYPES:
+        if self.delta and buffer.dtype in DELTA_DTYPES:
             held = self._held.get(position)
             if held is None or held.shape != buffer.shape:
                 self._held[position] = buffer.clone()
@@ -412,7 +411,7 @@ class BroadcastReceiver:
         """Where a whole bucket lands: kept per position for an engine in another process, or for delta
         updates of 16-bit buckets (the next update may change only some of its elements); the one
         reused buffer for an engine that does not keep buckets (CPU); else fresh."""
-        if self._delta and dtype in _DELTA_DTYPES:
+        if self._delta and dtype in DELTA_DTYPES:
             held = self._held.get(position)
             if held is None or held.numel() != numel:
                 held = self._held[position] = (
@@ -484,23 +483,3 @@ def _checked_views(bucket: FlatBucket) -> list:
         with torch.cuda.device(bucket.buffer.device):
             return bucket.tensors()
     return bucket.tensors()
-
-
-def _changed(buffer: torch.Tensor, held: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The int32 indices of the 16-bit elements of `buffer` whose bits differ from `held` (the receivers'
-    copy); None (send it whole) without a copy, for other dtypes, or when indices + values would not be
-    smaller than the buffer."""
-    if held is None or held.shape != buffer.shape or buffer.dtype not in _DELTA_DTYPES or buffer.numel() >= 2**31:
-        return None
-    dense = buffer.numel() * buffer.element_size() / (4 + buffer.element_size())  # changes from which it goes whole
-    # counted before indexing: a bucket that goes whole never materialises its indices
-    if buffer.device.type == "cpu":  # numpy's compare, count and index: 100M bf16 elements, 1.5% changed, in
-        # 122 ms against torch's 306 (its bool sum, which widens every element to int64, took 363 ms more)
-        differs = buffer.view(torch.int16).numpy() != held.view(torch.int16).numpy()
-        if np.count_nonzero(differs) >= dense:
-            return None
-        return torch.from_numpy(np.flatnonzero(differs).astype(np.int32))
-    differs = buffer.view(torch.int16) != held.view(torch.int16)
-    if torch.count_nonzero(differs) >= dense:
-        return None
-    return differs.nonzero().flatten().to(torch.int32)
