@@ -137,6 +137,10 @@ def _is_rank0() -> bool:
 
 
 def _run_convert(args) -> int:
+    if args.direction == "mcore-to-hf" and _layout(args).min_world_size == 1:
+        # a dense model is exported in this process, without megatron-core (`megarl.models.dcp_export`):
+        # no rank to fork, so no server preloading megatron-core beside it on the two cores
+        return _convert(args)
     return _in_rank_server(_convert, args)
 
 

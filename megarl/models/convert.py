@@ -1,9 +1,9 @@
 """HF ↔ megatron-core distributed-checkpoint conversion at any TP/PP/VPP/EP layout.
 
 Owns: `hf_to_mcore` and `mcore_to_hf` (validated up front, run on a spawned local world or under
-torchrun), and the megarl checkpoint metadata (`megarl_checkpoint.json`, written last, so a
-directory without it is never taken for a checkpoint). Every rank holds only its own shard plus
-one full tensor at a time.
+torchrun; a dense model's single-rank export runs in this process, `export_in_process`), and the
+megarl checkpoint metadata (`megarl_checkpoint.json`, written last, so a directory without it is
+never taken for a checkpoint). Every rank holds only its own shard plus one full tensor at a time.
 
 Layout of a megarl megatron checkpoint directory:
     common.pt, .metadata, __*.distcp   megatron-core torch_dist checkpoint (layout-independent)
@@ -23,11 +23,12 @@ from typing import Optional
 
 import torch
 
-from megarl.models import dcp_save
+from megarl.models import dcp_export, dcp_save
 from megarl.models.hf_config import describe_hf_config, load_hf_config
 from megarl.models.hf_io import CheckpointError, HFCheckpointReader, HFShardWriter, copy_hf_side_files, write_index
 from megarl.models.layout import ParallelLayout
-from megarl.utils.atomic import check_target, publish_collective, shared_staging_dir
+from megarl.models.weight_map import WeightMap
+from megarl.utils.atomic import atomic_directory, check_target, publish_collective, shared_staging_dir
 
 MARKER = "megarl_checkpoint.json"
 FORMAT_VERSION = 1
@@ -134,8 +135,41 @@ def hf_to_mcore(hf_path, mcore_path, layout: ParallelLayout = ParallelLayout(), 
 
 
 def mcore_to_hf(mcore_path, hf_path, layout: ParallelLayout = ParallelLayout(), **kwargs) -> dict:
-    """Convert a megatron-core distributed checkpoint back to HF safetensors; returns a summary."""
-    return run_plan(mcore_to_hf_rank, plan_mcore_to_hf(mcore_path, hf_path, layout, **kwargs))
+    """Convert a megatron-core distributed checkpoint back to HF safetensors; returns a summary.
+
+    A dense model read at the single-rank layout outside torchrun is exported in this process without
+    megatron-core (`dcp_export`); other models and layouts load into megatron models on local ranks."""
+    plan = plan_mcore_to_hf(mcore_path, hf_path, layout, **kwargs)
+    if dcp_export.applies(plan):
+        return export_in_process(plan)
+    return run_plan(mcore_to_hf_rank, plan)
+
+
+def export_in_process(plan: ConversionPlan) -> dict:
+    """mcore→hf of a dense model in this process, read without megatron-core (`dcp_export`): the same
+    files, marker and summary as the ranks' export (`mcore_to_hf_rank`), published atomically."""
+    from tqdm import tqdm
+
+    src = Path(plan.src)
+    weight_map = WeightMap(describe_hf_config(load_hf_config(src / "hf")))
+    bar = tqdm(total=len(weight_map.hf_names()), desc="mcore→hf", unit="tensor", leave=False)
+    with bar, atomic_directory(plan.dst, MARKER, plan.overwrite) as staging:
+        writer = HFShardWriter(staging)
+        for name, tensor in dcp_export.hf_weights(src, weight_map):
+            writer.add(name, tensor)
+            bar.update()
+        writer.flush()
+        missing = sorted(set(weight_map.hf_names()) - set(writer.weight_map))
+        if missing:
+            raise CheckpointError(f"{src} lacks {len(missing)} model parameters, e.g. {missing[:5]}")
+        write_index(staging, writer.weight_map, writer.total_bytes)
+        copy_hf_side_files(src / "hf", staging)
+        (staging / MARKER).write_text(json.dumps(_export_marker(plan), indent=2))
+    return {"tensors": len(writer.weight_map), "bytes": writer.total_bytes, "format_version": FORMAT_VERSION}
+
+
+def _export_marker(plan: ConversionPlan) -> dict:
+    return {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src}
 
 
 # ----------------------------------------------------------------------------- per-rank work
@@ -272,9 +306,7 @@ def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
                 side_files_from=Path(plan.src) / "hf",
                 progress=bar.update,
             )
-        publish_collective(
-            staging, Path(plan.dst), MARKER, {"format_version": FORMAT_VERSION, "kind": "hf-export", "source": plan.src}
-        )
+        publish_collective(staging, Path(plan.dst), MARKER, _export_marker(plan))
         return summary
     except BaseException:
         _cleanup_on_error(staging)
