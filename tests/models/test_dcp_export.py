@@ -114,3 +114,12 @@ def test_a_corrupt_record_fails_the_export_and_keeps_the_previous_export(tiny_mo
     after = _tensors(tmp_path / "hf")
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mcore"]  # no staging directory left
+
+
+def test_a_config_with_another_layer_count_is_refused(tiny_models, tmp_path):
+    hf_to_mcore(tiny_models["llama"], tmp_path / "mcore")
+    config = json.loads((tmp_path / "mcore" / "hf" / "config.json").read_text())
+    (tmp_path / "mcore" / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.raises(CheckpointError, match="holds 2 layers, but its hf/config.json has 1"):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
