@@ -110,7 +110,9 @@ def plan_mcore_to_hf(
     layout.check_dims(dims)
     _check_distinct(mcore_path, hf_path, "--mcore-path", "--hf-path")
     check_target(hf_path, overwrite)
-    return ConversionPlan(str(mcore_path), str(hf_path), layout, meta["dtype"], overwrite)
+    # a conversion's marker names its dtype; a trainer's checkpoint (kind "train-state") stores the training dtype
+    dtype = meta.get("dtype") or dcp_export.stored_dtype(mcore_path)
+    return ConversionPlan(str(mcore_path), str(hf_path), layout, dtype, overwrite)
 
 
 def run_plan(fn, plan: ConversionPlan, *, share_threads: bool = False):

@@ -158,6 +158,15 @@ def applies(plan) -> bool:
     return (Path(plan.src) / ".metadata").is_file() and _Chunks(Path(plan.src)).plain_storage()
 
 
+def stored_dtype(path) -> str:
+    """The dtype name ("float32", "bfloat16", ...) the checkpoint at `path` stores its word embeddings in
+    (a trainer's checkpoint records no dtype in its marker: its parameters are in the training dtype)."""
+    meta = _Chunks(Path(path)).tensors.get("embedding.word_embeddings.weight")
+    if meta is None:
+        raise CheckpointError(f"{path} holds no embedding.word_embeddings.weight: it is not a GPT model checkpoint")
+    return str(meta.properties.dtype).replace("torch.", "")
+
+
 def hf_weights(path: Path, weight_map: WeightMap) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every model parameter in the checkpoint at `path`, layer by layer in HF order."""
     chunks = _Chunks(Path(path))

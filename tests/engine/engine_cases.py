@@ -227,6 +227,7 @@ def checkpoint_rank(hf, root, save_at, total):
     actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
     first = _steps(actor, batch, save_at)
     actor.engine.save_checkpoint(ckpt)
+    saved = _weights(actor.engine)
     rest = _steps(actor, batch, total - save_at)
     final = {n: t.clone() for n, t in actor.engine.hf_weights()}
     actor.engine.export_hf(f"{root}/hf_export")
@@ -271,6 +272,7 @@ def checkpoint_rank(hf, root, save_at, total):
         "leftovers": leftovers,
         "step_after_load": resumed.engine.step - len(again),
         "final_logp": final_logp,
+        "saved": saved,
     }
 
 
