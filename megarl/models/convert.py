@@ -25,7 +25,14 @@ import torch
 
 from megarl.models import dcp_export, dcp_save
 from megarl.models.hf_config import describe_hf_config, load_hf_config
-from megarl.models.hf_io import CheckpointError, HFCheckpointReader, HFShardWriter, copy_hf_side_files, write_index
+from megarl.models.hf_io import (
+    CheckpointError,
+    HFCheckpointReader,
+    HFShardWriter,
+    copy_hf_side_files,
+    record_dtype,
+    write_index,
+)
 from megarl.models.layout import ParallelLayout
 from megarl.models.weight_map import WeightMap
 from megarl.utils.atomic import atomic_directory, check_target, publish_collective, shared_staging_dir
@@ -166,6 +173,7 @@ def export_in_process(plan: ConversionPlan) -> dict:
             raise CheckpointError(f"{src} lacks {len(missing)} model parameters, e.g. {missing[:5]}")
         write_index(staging, writer.weight_map, writer.total_bytes)
         copy_hf_side_files(src / "hf", staging)
+        record_dtype(staging, writer.dtypes)
         (staging / MARKER).write_text(json.dumps(_export_marker(plan), indent=2))
     return {"tensors": len(writer.weight_map), "bytes": writer.total_bytes, "format_version": FORMAT_VERSION}
 
@@ -271,15 +279,16 @@ def write_hf_shards(
             progress()
     writer.flush()
     maps = [None] * dist.get_world_size()
-    dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes) if writes else ({}, 0))
+    dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes, writer.dtypes) if writes else ({}, 0, set()))
     summary = {
-        "tensors": sum(len(m) for m, _ in maps),
-        "bytes": sum(b for _, b in maps),
+        "tensors": sum(len(m) for m, _, _ in maps),
+        "bytes": sum(b for _, b, _ in maps),
         "format_version": FORMAT_VERSION,
     }
     if dist.get_rank() == 0:
-        write_index(staging, {k: v for m, _ in maps for k, v in m.items()}, summary["bytes"])
+        write_index(staging, {k: v for m, _, _ in maps for k, v in m.items()}, summary["bytes"])
         copy_hf_side_files(side_files_from, staging)
+        record_dtype(staging, set().union(*(d for _, _, d in maps)))
     return summary
 
 

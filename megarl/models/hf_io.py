@@ -131,6 +131,7 @@ class HFShardWriter:
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
         self._pending: dict[str, torch.Tensor] = {}
+        self.dtypes: set[torch.dtype] = set()
         self._pending_bytes = 0
         self._files = 0
 
@@ -139,6 +140,7 @@ class HFShardWriter:
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self.flush()
         self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self.dtypes.add(tensor.dtype)
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
 
@@ -210,6 +212,24 @@ def write_index(path: str | Path, weight_map: dict[str, str], total_bytes: int) 
     """The `model.safetensors.index.json` that `transformers` uses to find sharded tensors."""
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def record_dtype(path: str | Path, dtypes) -> None:
+    """Set `path/config.json`'s `dtype` to the one floating dtype its weights were written in (`dtypes`), where
+    it names another: transformers and vLLM load `dtype="auto"` from it, and a bfloat16 export whose config
+    said float32 (its source's, before `--dtype bfloat16`) loaded at twice the memory."""
+    floating = {d for d in dtypes if d.is_floating_point}
+    config_file = Path(path) / "config.json"
+    if len(floating) != 1 or not config_file.is_file():
+        return
+    name = str(floating.pop()).replace("torch.", "")
+    config = json.loads(config_file.read_text())
+    if config.get("dtype") == name and config.get("torch_dtype", name) == name:
+        return
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def copy_hf_side_files(src: str | Path, dst: str | Path) -> None:

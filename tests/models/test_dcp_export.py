@@ -123,3 +123,15 @@ def test_a_config_with_another_layer_count_is_refused(tiny_models, tmp_path):
     with pytest.raises(CheckpointError, match="holds 2 layers, but its hf/config.json has 1"):
         mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_in_another_dtype_says_so_in_its_config(tiny_models, tmp_path):
+    """A float32 model converted with --dtype bfloat16 exports bfloat16 weights, and its config.json (copied
+    from the float32 source) names bfloat16: transformers and vLLM load dtype="auto" from it."""
+    from transformers import AutoConfig
+
+    hf_to_mcore(tiny_models["qwen2"], tmp_path / "mcore", dtype="bfloat16")
+    for name, layout in (("tp1", ParallelLayout()), ("tp2", ParallelLayout(tp=2))):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / name, layout)
+        assert {t.dtype for t in _tensors(tmp_path / name).values()} == {torch.bfloat16}
+        assert AutoConfig.from_pretrained(tmp_path / name).dtype == torch.bfloat16, name
