@@ -97,6 +97,12 @@ def read_metadata(mcore_path) -> dict:
     if not path.is_dir():
         raise FileNotFoundError(f"megatron checkpoint directory {path} does not exist")
     marker = path / MARKER
+    roles = sorted(p.name for p in path.iterdir() if (p / MARKER).is_file()) if not marker.is_file() else []
+    if roles:  # a trainer's step directory: one checkpoint per role
+        raise CheckpointError(
+            f"{path} is a trainer's step directory holding the checkpoints {roles}, not one checkpoint;"
+            f" pass one of them, e.g. --mcore-path {path / roles[0]}"
+        )
     if not marker.is_file():
         raise CheckpointError(
             f"{path} has no {MARKER}: it is not a complete megarl checkpoint (an interrupted"

@@ -135,3 +135,9 @@ def test_an_export_in_another_dtype_says_so_in_its_config(tiny_models, tmp_path)
         mcore_to_hf(tmp_path / "mcore", tmp_path / name, layout)
         assert {t.dtype for t in _tensors(tmp_path / name).values()} == {torch.bfloat16}
         assert AutoConfig.from_pretrained(tmp_path / name).dtype == torch.bfloat16, name
+
+
+def test_a_trainer_step_directory_is_refused_naming_its_role_checkpoints(tiny_models, tmp_path):
+    hf_to_mcore(tiny_models["llama"], tmp_path / "step_000010" / "actor")
+    with pytest.raises(CheckpointError, match=r"step directory holding the checkpoints \['actor'\].*step_000010/actor"):
+        mcore_to_hf(tmp_path / "step_000010", tmp_path / "hf")
