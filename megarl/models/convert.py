@@ -123,6 +123,11 @@ def plan_mcore_to_hf(
     layout.check_dims(dims)
     _check_distinct(mcore_path, hf_path, "--mcore-path", "--hf-path")
     check_target(hf_path, overwrite)
+    if dcp_export.has_value_head(mcore_path):
+        raise CheckpointError(
+            f"{mcore_path} is a value model's checkpoint (a critic or reward model: its output layer is a value"
+            " head of one row); mcore-to-hf exports causal language models: pass the actor's checkpoint"
+        )
     # a conversion's marker names its dtype; a trainer's checkpoint (kind "train-state") stores the training dtype
     dtype = meta.get("dtype") or dcp_export.stored_dtype(mcore_path)
     return ConversionPlan(str(mcore_path), str(hf_path), layout, dtype, overwrite)

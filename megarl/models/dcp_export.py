@@ -167,6 +167,12 @@ def stored_dtype(path) -> str:
     return str(meta.properties.dtype).replace("torch.", "")
 
 
+def has_value_head(path) -> bool:
+    """Whether the checkpoint at `path` is a value model's (a critic or reward model): an output layer of one row."""
+    meta = _Chunks(Path(path)).tensors.get("output_layer.weight")
+    return meta is not None and meta.size[0] == 1
+
+
 def hf_weights(path: Path, weight_map: WeightMap) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every model parameter in the checkpoint at `path`, layer by layer in HF order."""
     chunks = _Chunks(Path(path))

@@ -5,6 +5,8 @@ import engine_cases as C
 import pytest
 import torch
 
+from megarl.models.convert import mcore_to_hf
+from megarl.models.hf_io import CheckpointError
 from megarl.testing.dist import run_distributed
 from megarl.testing.models import save_tiny_hf_model
 
@@ -33,6 +35,9 @@ def test_colocated_actor_tp2_and_critic_tp1_dp2_train_and_logprobs_match_transfo
         assert torch.equal(result["restored_values"], result["critic_values"])  # critic checkpoint round trip
     rows = [r["critic_rows"] for r in per_rank]
     assert sorted(map(len, rows)) == [4, 4] and not torch.equal(rows[0], rows[1])  # DP2 split the batch
+    with pytest.raises(CheckpointError, match="value model's checkpoint"):  # not exported as a causal LM
+        mcore_to_hf(tmp_path / "critic", tmp_path / "critic_hf")
+    assert not (tmp_path / "critic_hf").exists()
 
 
 def test_offload_then_onload_leaves_training_identical_and_a_role_can_span_one_rank(models):
