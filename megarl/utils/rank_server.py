@@ -2,8 +2,9 @@
 
 Owns: `PRELOAD`, what that server imports once so that each rank it forks starts without paying for it
 (`megarl.utils.distributed.run_distributed`); `start_early()`, which starts it at once; and
-`run_in_server(fn, *args)`, which runs a command's work in one child of it. `megarl convert` and `megarl
-check-parity` call `start_early` first thing, then hand their whole work (input checks, the ranks, the
+`run_in_server(fn, *args)`, which runs a command's work in one child of it. `megarl convert` (but
+`mcore-to-hf` at one rank, which forks none: `megarl.models.dcp_export`) and `megarl check-parity` call
+`start_early` first thing, then hand their whole work (input checks, the ranks, the
 report) to `run_in_server`: the command's own process imports no torch, megatron-core or transformers, and
 the child, which has them all, checks the input in ~0.01 s and forks the ranks itself (`in_server_child`:
 `run_distributed` then forks instead of asking a server). `megarl convert hf-to-mcore` of a 475 MiB model:
