@@ -8,8 +8,10 @@ The baseline reads every tensor of the HF safetensors file and writes them to a 
 file, fsynced (the least work any durable conversion must do). The ratio `convert / baseline` (≤ 1; higher is
 better) is printed for the weight-moving phase of the conversion (inside the ranks: HF read +
 reshard + megatron save) and for the whole call (with the ranks' start-up; the first call of the process
-starts the server they are forked from). Last, the `megarl convert` commands against the baseline as a
-command of its own: each a fresh process, imports and exit included (median of `--command-runs`).
+starts the server they are forked from); mcore→hf reads each checkpoint back at TP1, in the calling
+process (a dense model's export needs no ranks: `megarl/models/dcp_export.py`), from the disk (the
+checkpoint was written behind). Last, the `megarl convert` commands against the baseline as a command of
+its own: each a fresh process, imports and exit included (median of `--command-runs`).
 """
 
 from __future__ import annotations
