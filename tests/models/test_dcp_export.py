@@ -141,3 +141,37 @@ def test_a_trainer_step_directory_is_refused_naming_its_role_checkpoints(tiny_mo
     hf_to_mcore(tiny_models["llama"], tmp_path / "step_000010" / "actor")
     with pytest.raises(CheckpointError, match=r"step directory holding the checkpoints \['actor'\].*step_000010/actor"):
         mcore_to_hf(tmp_path / "step_000010", tmp_path / "hf")
+
+
+def test_ctrl_c_inside_torchs_reader_stops_the_export_as_an_interrupt(tiny_models, tmp_path, monkeypatch):
+    """torch's C++ zip reader reports an exception raised in the file's `readinto` as an AttributeError;
+    an interrupt there must still stop the export as KeyboardInterrupt (exit 130), publishing nothing."""
+    hf_to_mcore(tiny_models["llama"], tmp_path / "mcore")
+    reads = []
+    real_file = dcp_export._Chunks._file
+
+    class Interrupted:  # the checkpoint file, where the fifth read is when Ctrl-C arrives
+        def __init__(self, stream):
+            self.stream = stream
+
+        def readinto(self, buffer):
+            reads.append(len(buffer))
+            if len(reads) == 5:
+                raise KeyboardInterrupt
+            return self.stream.readinto(buffer)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    monkeypatch.setattr(dcp_export._Chunks, "_file", lambda self, info: Interrupted(real_file(self, info)))
+    with pytest.raises(KeyboardInterrupt):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and [p.name for p in tmp_path.iterdir()] == ["mcore"]
+
+
+def test_a_missing_data_file_is_named(tiny_models, tmp_path):
+    hf_to_mcore(tiny_models["qwen2"], tmp_path / "mcore", ParallelLayout(tp=2))
+    victim = sorted((tmp_path / "mcore").glob("*.distcp"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"{victim.name} is missing"):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
