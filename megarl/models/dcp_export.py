@@ -27,6 +27,7 @@ import functools
 import io
 import math
 import os
+import pickle
 from pathlib import Path
 from typing import Iterator
 
@@ -49,7 +50,12 @@ class _Chunks:
         if not index.is_file():
             raise CheckpointError(f"{path} has no .metadata: it is not a torch_dist checkpoint, or an incomplete copy")
         self.path = path
-        self.metadata = _read_metadata(str(index), index.stat().st_mtime_ns)
+        try:
+            self.metadata = _read_metadata(str(index), index.stat().st_mtime_ns)
+        except (EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
+            raise CheckpointError(
+                f"{index} is unreadable ({err!r}): the checkpoint is damaged; save or convert it again"
+            ) from err
         self.tensors = {
             key: meta
             for key, meta in self.metadata.state_dict_metadata.items()

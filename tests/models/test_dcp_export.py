@@ -175,3 +175,11 @@ def test_a_missing_data_file_is_named(tiny_models, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=f"{victim.name} is missing"):
         mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+
+
+def test_a_truncated_metadata_file_is_named(tiny_models, tmp_path):
+    hf_to_mcore(tiny_models["llama"], tmp_path / "mcore")
+    index = tmp_path / "mcore" / ".metadata"
+    index.write_bytes(index.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"\.metadata is unreadable"):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
