@@ -182,11 +182,9 @@ def export_in_process(plan: ConversionPlan) -> dict:
         missing = sorted(set(weight_map.hf_names()) - set(writer.weight_map))
         if missing:
             raise CheckpointError(f"{src} lacks {len(missing)} model parameters, e.g. {missing[:5]}")
-        write_index(staging, writer.weight_map, writer.total_bytes)
-        copy_hf_side_files(src / "hf", staging)
-        record_dtype(staging, writer.dtypes)
+        write_hf_metadata(staging, writer.weight_map, writer.total_bytes, writer.dtypes, side_files_from=src / "hf")
         (staging / MARKER).write_text(json.dumps(_export_marker(plan), indent=2))
-    return {"tensors": len(writer.weight_map), "bytes": writer.total_bytes, "format_version": FORMAT_VERSION}
+    return _export_summary(writer.weight_map, writer.total_bytes)
 
 
 def _export_marker(plan: ConversionPlan) -> dict:
@@ -291,16 +289,23 @@ def write_hf_shards(
     writer.flush()
     maps = [None] * dist.get_world_size()
     dist.all_gather_object(maps, (writer.weight_map, writer.total_bytes, writer.dtypes) if writes else ({}, 0, set()))
-    summary = {
-        "tensors": sum(len(m) for m, _, _ in maps),
-        "bytes": sum(b for _, b, _ in maps),
-        "format_version": FORMAT_VERSION,
-    }
+    weight_map, total_bytes = {k: v for m, _, _ in maps for k, v in m.items()}, sum(b for _, b, _ in maps)
     if dist.get_rank() == 0:
-        write_index(staging, {k: v for m, _, _ in maps for k, v in m.items()}, summary["bytes"])
-        copy_hf_side_files(side_files_from, staging)
-        record_dtype(staging, set().union(*(d for _, _, d in maps)))
-    return summary
+        dtypes = set().union(*(d for _, _, d in maps))
+        write_hf_metadata(staging, weight_map, total_bytes, dtypes, side_files_from=side_files_from)
+    return _export_summary(weight_map, total_bytes)
+
+
+def write_hf_metadata(staging: Path, weight_map: dict, total_bytes: int, dtypes, *, side_files_from) -> None:
+    """What an HF export holds beside its shards: the index, the config and tokenizer files, the config
+    naming the dtype the shards were written in."""
+    write_index(staging, weight_map, total_bytes)
+    copy_hf_side_files(side_files_from, staging)
+    record_dtype(staging, dtypes)
+
+
+def _export_summary(weight_map: dict, total_bytes: int) -> dict:
+    return {"tensors": len(weight_map), "bytes": total_bytes, "format_version": FORMAT_VERSION}
 
 
 def mcore_to_hf_rank(plan: ConversionPlan) -> dict:
