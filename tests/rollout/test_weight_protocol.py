@@ -268,7 +268,7 @@ def test_broadcast_sender_broadcasts_each_bucket_buffer_as_it_is(rollout_models,
     groups = weight_groups()
     receiver_engine = EmbeddedEngine(rollout_models["llama_other"])
     receiver = BroadcastReceiver(groups[1], receiver_engine)
-    sender = BroadcastSender(groups[0], shm=shm)
+    sender = BroadcastSender(groups[0], shm=shm, adopt=False)  # the test's own buckets, not in `adopt_into`
     broadcast, objects, mapped = [], [], []
     send_tensor, send_object, from_file = groups[0].broadcast, groups[0].broadcast_object, torch.from_file
     groups[0].broadcast = lambda tensor, src=0, **kw: (
@@ -310,7 +310,7 @@ def test_a_shared_memory_broadcast_reuses_the_senders_buffer_only_after_the_engi
 
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"])
-    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], adopt=False)
     buckets = list(bucket_tensors(checkpoint, 200_000))
     bucket_of = {e.name: i for i, b in enumerate(buckets) for e in b.entries}
     events, load, share = [], engine.load_checked, sender._share_bucket
@@ -454,7 +454,7 @@ def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_ten
     groups = weight_groups()
     engine = EmbeddedEngine(rollout_models["llama_other"])
     before = [(n, t.clone()) for n, t in engine._params.items()]
-    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], shm=shm)
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], shm=shm, adopt=False)
     buckets = list(bucket_tensors(checkpoint, 200_000))
     assert len(buckets) > corrupt
     receive, open_shared, seen = groups[1].broadcast, receiver._peers.open, []
@@ -498,6 +498,110 @@ def test_a_bucket_corrupted_on_the_way_fails_the_broadcast_update_naming_its_ten
     assert sender.send(buckets, 8) == 8
     thread.join(timeout=60)
     assert result["v"] == 8 and engine.broken is None and engine_equals(engine, checkpoint)
+
+
+def landed_for_adoption(into, checkpoint, on_write=lambda position: None):
+    """The checkpoint's buckets as a sharding manager lands them for a sender that offers `adopt_into`: each
+    written into the buffer kept for its position (`on_write` is called before the write)."""
+    from dataclasses import replace
+
+    for position, bucket in enumerate(bucket_tensors(checkpoint, 200_000)):
+        on_write(position)
+        kept = into.take(position, bucket.buffer.numel(), bucket.dtype, "cpu").copy_(bucket.buffer)
+        yield replace(bucket, buffer=kept, kept=True)
+
+
+def test_a_same_host_broadcast_lands_in_memory_the_engine_takes_as_its_parameters(rollout_models, checkpoint):
+    """An engine in its receiver's process takes the sender's kept shared memory as its parameters: the first
+    sync rebinds them, later syncs are written straight into the model (its parameters stay where they are and
+    hold each update bit for bit), never before the engine holds its weights lock, and the sender does not
+    wait for the engine bucket by bucket (no sync point)."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    locked, syncs, where = [], [], None
+    groups[0].sync_point = lambda sync=groups[0].sync_point: (syncs.append(1), sync())
+    for version, weights in ((1, checkpoint), (2, [(n, t + 1) for n, t in checkpoint])):
+        thread, result = receiving(receiver)
+        sender.check(specs_of(weights))
+        assert sender.adopt_into is not None  # every receiver's engine can adopt
+        into, syncs[:] = sender.adopt_into, []
+        buckets = landed_for_adoption(into, weights, lambda _: locked.append(engine._weights_lock.locked()))
+        assert sender.send(buckets, version) == version
+        thread.join(timeout=60)
+        assert result["v"] == version and engine_equals(engine, weights)
+        assert len(syncs) == 1  # the update's start (the engine holds its lock), none per bucket
+        if where is None:
+            where = {n: p.data_ptr() for n, p in engine._params.items()}
+    assert all(locked) and len(locked) > 2
+    assert {n: p.data_ptr() for n, p in engine._params.items()} == where  # written in place at the second sync
+    mapped = [(m.data_ptr(), m.data_ptr() + m.numel()) for m in receiver._peers._opened.values()]
+    assert all(any(lo <= ptr < hi for lo, hi in mapped) for ptr in where.values())  # the sender's memory
+
+
+def test_an_adopted_bucket_corrupted_in_the_model_fails_the_update_and_the_engine_refuses_requests(
+    rollout_models, checkpoint
+):
+    """One bit of an adopted bucket flips after the trainer wrote it (in the engine's parameters): the update
+    fails on both sides naming the tensor, the engine refuses requests (its weights may mix two versions) until
+    an update succeeds, and the group stays in step for it."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    groups = weight_groups()
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0])
+    open_shared, opened = receiver._peers.open, []
+
+    def flipping(*args):
+        mapped = open_shared(*args)
+        if len(opened) == 1:
+            mapped.view(torch.uint8)[-1] ^= 1  # bucket 1's last tensor
+        opened.append(mapped)
+        return mapped
+
+    receiver._peers.open = flipping
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    buckets = list(bucket_tensors(checkpoint, 200_000))
+    name = buckets[1].entries[-1].name
+    with pytest.raises(WeightUpdateError, match=rf"engine server 1: WeightUpdateError: .*{name!r}.*checksum mismatch"):
+        sender.send(landed_for_adoption(sender.adopt_into, checkpoint), 5)
+    thread.join(timeout=60)
+    assert isinstance(result["error"], WeightUpdateError) and len(opened) == len(buckets)  # read to the end
+    assert engine.version != 5 and "refuses requests" in engine.broken
+    receiver._peers.open = open_shared
+    thread, result = receiving(receiver)
+    sender.check(specs_of(checkpoint))
+    assert sender.send(landed_for_adoption(sender.adopt_into, checkpoint), 6) == 6
+    thread.join(timeout=60)
+    assert result["v"] == 6 and engine.broken is None and engine_equals(engine, checkpoint)
+
+
+@pytest.mark.parametrize("case", ["tcp", "partial", "adopt=False", "MEGARL_ADOPT_WEIGHTS=0", "engine cannot"])
+def test_a_broadcast_offers_adoption_only_where_every_engine_can_take_it(rollout_models, checkpoint, case, monkeypatch):
+    """No adoption over TCP, for a partial update, when turned off, or where an engine cannot adopt the
+    tensors: the sender's `adopt_into` stays None and the engine copies each bucket in."""
+    from megarl.rollout.sharding.broadcast import BroadcastReceiver, BroadcastSender
+
+    if case == "MEGARL_ADOPT_WEIGHTS=0":
+        monkeypatch.setenv("MEGARL_ADOPT_WEIGHTS", "0")
+    engine = EmbeddedEngine(rollout_models["llama_other"])
+    if case == "engine cannot":
+        monkeypatch.setattr(engine, "adopts_update", lambda specs: False)
+    groups = weight_groups()
+    kwargs = {"tcp": {"shm": False}, "adopt=False": {"adopt": False}}.get(case, {})
+    receiver, sender = BroadcastReceiver(groups[1], engine), BroadcastSender(groups[0], **kwargs)
+    weights = checkpoint[:2] if case == "partial" else checkpoint
+    thread, result = receiving(receiver)
+    sender.check(specs_of(weights), partial=case == "partial")
+    assert sender.adopt_into is None and sender.shares_buffers == (case != "tcp")
+    assert sender.send(bucket_tensors(weights, 200_000, shared=sender.shares_buffers), 3) == 3
+    thread.join(timeout=60)
+    assert result["v"] == 3 and engine_equals(engine, weights)
+    mapped = [(m.data_ptr(), m.data_ptr() + m.numel()) for m in receiver._peers._opened.values()]
+    assert not any(lo <= p.data_ptr() < hi for p in engine._params.values() for lo, hi in mapped)  # copied in
 
 
 def adamw_step(weights, lr: float):

@@ -19,7 +19,7 @@ several times the bytes' copy) and hand it with its checksums to their engine's 
 (`senders.sender_for`: in place, or IPC for a vLLM core in a child process). An engine in the receiver's
 process gets the update's first bucket only once its checksums passed, and every later CPU bucket with
 its checksums still to check as it copies each tensor (`protocol.pending_tensors`; other engines: each
-bucket checked first), while the next bucket arrives on a thread of its own (`_ReceiveAhead`); an IPC hop
+bucket checked first), while the next bucket arrives on a thread of its own (`receive_ahead`); an IPC hop
 passes them on to vLLM's workers, which check them there (end to end, and the server sums nothing
 itself). A final all-gather collects the engines' versions, or their errors. A receiver whose engine
 fails mid-update (a corrupted bucket, a load error) keeps reading the update to its end, so the group
@@ -27,26 +27,28 @@ stays in step, and the sender raises `WeightUpdateError` with that engine's mess
 (tested), NCCL on GPU.
 
 Same host (gloo, `BroadcastSender(shm=True)`, the default): at the first `check` every member all-gathers
-its `shm.host_id` and user id; where all are equal (engine servers on the trainer's machine, as NCCL would use shared
-memory or P2P there) no bucket byte crosses the group's TCP. Per bucket the sender broadcasts the control
-message, the layout (when new), then the buffer's place in its shared memory (`shm.ShmPeers.place`: the sharding
-manager gathers into shared memory for such a sender, `shares_buffers`; another buffer is copied into one
-staging buffer first) and its checksums in one message; each receiver maps the buffer (once: kept from update to update) and
-hands it to its engine as above (an in-process engine copies from the mapping into its model, checking as
-it copies; an engine that keeps its buckets or passes them to another process gets a copy of its own
-first). Every member then meets at a sync point (a one-element all-reduce) once its engine is done with the
-buffer (it asked for the next bucket, or took its copy), and only then does the sender return the bucket to
-the manager, which writes a later bucket into that memory. Delta updates are full ones there (nothing goes
-over a wire). On 2 cores the 0.4 GB broadcast sync of `benchmarks/weight_sync.py` went from 0.16–0.20× of a
-copy's bytes/s over TCP to 0.48–0.58× this way: the gather plus one copy into the engine, in part overlapped (the
-receiver copies one stage's bucket while the other stage's ranks write theirs, `plan._transfer_order`).
+its `shm.host_id` and user id; where all are equal no bucket byte crosses the group's TCP. Per bucket the
+sender broadcasts the control message, the layout (when new), then the buffer's place in its shared memory
+(`shm.ShmPeers.place`: the manager gathers into shared memory for such a sender, `shares_buffers`; another
+buffer is copied into a staging buffer first) and its checksums in one message; each receiver maps the buffer
+(once) and hands it on as above (an in-process engine copies from the mapping into its model, checking as it
+copies; one that keeps its buckets or passes them to another process gets a copy of its own first), and every
+member meets at a sync point (a one-element all-reduce) once its engine is done with it before the manager
+writes a later bucket there. Delta updates are full ones there. Adoption (`adopt`, the default, for a sharding
+manager's syncs into engines in their receivers' processes that can, `EmbeddedEngine.adopts_update`): the
+manager gathers every bucket into shared memory this sender keeps per bucket position (`adopt_into`), and
+each engine takes the mapped buckets as its parameters (`load_buckets`): from the second sync on the trainer's
+ranks write straight into the engines' models, which only check what they hold, with no sync point per bucket
+(a bucket's memory is its own), while they hold their weights lock (the sender waits for that at the update's
+start). The price: a corrupted bucket is found in the model, and the engine then refuses requests until an
+update succeeds (`UpdateProgress.touched`), as for in-process and IPC adoption. On 2 cores the 0.4 GB sync of
+`benchmarks/weight_sync.py` was 0.16–0.20× a copy's bytes/s over TCP, 0.47–0.58× by shared memory with the
+receiver's copy (the gather plus that copy) and XXX adopted (`benchmarks/HISTORY.md`).
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -61,6 +63,7 @@ from megarl.rollout.sharding.protocol import (
     checksums,
     verify_bucket,
 )
+from megarl.rollout.sharding.receive_ahead import ReceiveAhead
 from megarl.rollout.sharding.senders import sender_for
 from megarl.rollout.sharding.shm import PLACE_BYTES, ShmPeers, host_id, ring_room, same_host
 from megarl.rollout.sharding.transport import BufferRing, KeptBuffers
@@ -69,9 +72,12 @@ from megarl.utils.faults import hold
 
 __all__ = ["BroadcastReceiver", "BroadcastSender", "WeightGroup"]
 
-_BEGIN, _BUCKET, _END, _DELTA, _SHARED = 2, 1, 0, 3, 4
+_BEGIN, _BUCKET, _END, _DELTA, _SHARED, _ADOPTED = 2, 1, 0, 3, 4, 5
 """Kinds of the control message that precedes every part of an update: [kind, value, new layout] (for
-`_BEGIN`: [kind, version, buckets cross by shared memory])."""
+`_BEGIN`: [kind, version, how buckets cross: 0 the group's wire, 1 shared memory, 2 shared memory the
+engines take as their parameters]; `_ADOPTED`: a bucket in that memory)."""
+_ADOPTS = "adopts"
+"""A receiver's verdict on an update's header: it accepts it and its engine can take the buckets as its parameters."""
 _FAILED = "failed: "
 """How a receiver's final reply starts when its engine failed the update (its version otherwise)."""
 
@@ -93,11 +99,19 @@ class BroadcastSender:
 
     keeps_buffers = False  # a broadcast has completed on every member before the next bucket is asked for
 
-    def __init__(self, group: WeightGroup, *, verify: bool = True, delta: bool = False, shm: bool = True):
+    def __init__(
+        self, group: WeightGroup, *, verify: bool = True, delta: bool = False, shm: bool = True, adopt: bool = True
+    ):
         if group.rank != 0:
             raise ValueError("the sender must be rank 0 of its weight group")
         self.group, self.verify, self.delta = group, verify, delta
         self.shm = shm and group.backend == "gloo"
+        # `adopt` (same host): buckets land in shared memory kept for these engines, which take it as their
+        # parameters (`adopt_into`, set by `check` where every receiver can; `MEGARL_ADOPT_WEIGHTS=0`: never)
+        self.adopt = self.shm and adopt and os.environ.get("MEGARL_ADOPT_WEIGHTS", "1") != "0"
+        self._adopted = KeptBuffers()
+        self.adopt_into: Optional[KeptBuffers] = None
+        self._adopting = False  # this update's buckets land in `_adopted`
         self._same_host: Optional[bool] = None  # every member on this host: probed at the first check
         self._via_shm = False  # this update's buckets cross by shared memory
         self._peers = ShmPeers()
@@ -121,20 +135,27 @@ class BroadcastSender:
             "verify": self.verify,
             "delta": self.delta,
             "probe": self.shm and self._same_host is None,  # every member then all-gathers its host id
+            "adopt": self.adopt and not partial,
         }
         self.group.broadcast_object(header)
         if header["probe"]:  # this side: a host id only with room in /dev/shm for the manager's shared rings
             mine = _host_and_user(min_free_bytes=ring_room(DEFAULT_BUCKET_BYTES))
             self._same_host = same_host(self.group.all_gather_messages(mine))
         self._via_shm = bool(self.shm and self._same_host)
-        failures = [(i, m) for i, m in enumerate(self.group.all_gather_messages(None)) if m]
+        verdicts = self.group.all_gather_messages(None)
+        failures = [(i, m) for i, m in enumerate(verdicts) if m and m != _ADOPTS]
         if failures:
             raise WeightUpdateError(f"engine server {failures[0][0]} rejected the update: {failures[0][1]}")
+        adopts = self._via_shm and header["adopt"] and all(m == _ADOPTS for m in verdicts[1:])
+        self.adopt_into = self._adopted if adopts else None  # the manager may still decline (no room)
 
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         """Each bucket buffer as it is, broadcast or by shared memory; returns the lowest engine version after
         the update."""
-        self._control(_BEGIN, version, self._via_shm)
+        self._adopting, self.adopt_into = self.adopt_into is not None, None  # this sync's only
+        self._control(_BEGIN, version, 2 if self._adopting else int(self._via_shm))
+        if self._adopting:  # every engine holds its weights lock before a byte is written into its parameters
+            self.group.sync_point()
         self.sent_bytes = 0
         try:
             for position, bucket in enumerate(buckets):
@@ -193,12 +214,15 @@ class BroadcastSender:
 
     def _share_bucket(self, position: int, bucket: FlatBucket) -> None:
         """The bucket by shared memory: its place and checksums; returns once every receiver is done reading
-        it (the caller may then write into its buffer again)."""
-        buffer, place = bucket.buffer, self._place(bucket.buffer)
+        it (the caller may then write into its buffer again; an adopted update's bucket: at once)."""
+        buffer, adopted = bucket.buffer, self._adopting
+        if adopted and not (bucket.kept and self._adopted.holds(buffer)):  # a caller's own bucket: copied there
+            buffer = self._adopted.take(position, buffer.numel(), buffer.dtype, "cpu").copy_(buffer)
+        place = self._place(buffer)
         if place is None:  # not in fd shared memory: one copy into the staging buffer
             buffer = self._staging.take(buffer.numel(), buffer.dtype, "cpu").copy_(buffer)
             place = self._peers.place(buffer)
-        self._announce(_SHARED, buffer.numel(), position, *self._layout(position, bucket))
+        self._announce(_ADOPTED if adopted else _SHARED, buffer.numel(), position, *self._layout(position, bucket))
         # place and checksums in one message (each collective wakes every member: ms while ranks keep the cores busy)
         if self.verify:  # taken before any receiver can read the buffer; the writers' hold for a staging copy too
             sums = bucket.sums if bucket.sums is not None else checksums(FlatBucket(buffer, bucket.entries))
@@ -207,7 +231,8 @@ class BroadcastSender:
             message[place.numel() :].view(torch.int64).copy_(sums)
             place = message
         self.group.broadcast(place)
-        self.group.sync_point()  # every receiver is done with the buffer
+        if not adopted:  # (an adopted bucket's memory is its position's own: no later bucket writes into it)
+            self.group.sync_point()  # every receiver is done with the buffer
         self.sent_bytes += buffer.numel() * buffer.element_size()
 
     def _layout(self, position: int, bucket: FlatBucket) -> tuple[tuple, bool]:
@@ -237,6 +262,7 @@ class BroadcastSender:
     def update(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
         """Send a list of HF-named tensors (tools and tests), bucketed like any other update."""
         self.check([HFSpec(n, tuple(t.shape), t.dtype) for n, t in weights])
+        self.adopt_into = None  # its buckets are not in the kept buffers: the engines copy them in
         return self.send(bucket_tensors(weights, shared=self.shares_buffers), version)
 
     def close(self) -> None:
@@ -265,6 +291,8 @@ class BroadcastReceiver:
         self._peers = ShmPeers()
         self._copies_shared = self.local.keeps_buffers or self.local.shares_buffers
         self._reading = False  # the engine may still read the sender's buffer of the last bucket
+        self._locking = False  # an adopted update: the sender waits until the engine holds its weights lock
+        self._adopting = False  # this update's buckets are the engine's parameters: received one ahead too
 
     def receive_update(self) -> Optional[int]:
         """The engine's new version; None when the sender closed the group.
@@ -280,23 +308,26 @@ class BroadcastReceiver:
         specs = [HFSpec(n, tuple(s), getattr(torch, d)) for n, s, d in header["specs"]]
         try:
             self.local.check(specs, partial=header["partial"])
-            verdict = None
+            verdict = _ADOPTS if header.get("adopt") and self._adopts(specs) else None
         except WeightUpdateError as err:
             verdict = str(err)
-        failures = [m for m in self.group.all_gather_messages(verdict) if m]
+        failures = [m for m in self.group.all_gather_messages(verdict) if m and m != _ADOPTS]
         if failures:
             raise WeightUpdateError(failures[0])
         kind, version, via_shm = self._control()
         if kind != _BEGIN:
             raise RuntimeError(f"weight group out of step: expected the start of an update, got message kind {kind}")
         self._position, self._ended, self._via_shm = 0, False, bool(via_shm)
+        self._locking = self._adopting = adopted = via_shm == 2
         self._delta = header.get("delta", False) and not via_shm  # by shared memory every bucket comes whole
-        self._ahead: Optional[_ReceiveAhead] = None
+        self._ahead: Optional[ReceiveAhead] = None
         if hasattr(self.local, "verify"):  # an IPC hop inside the server checks as the sender asked
             self.local.verify = header.get("verify", True)
         try:
-            version = self.local.send(self._buckets(header.get("verify", False)), version)
+            buckets = self._buckets(header.get("verify", False))
+            version = self.local.load_adopted(buckets, version) if adopted else self.local.send(buckets, version)
         except Exception as err:
+            self._locked()  # (the engine failed before it took its lock)
             if self._ahead is not None:
                 self._ahead.finish()  # its thread reads the rest of the update
             while not self._ended:  # the rest of the update, unread: the group stays in step
@@ -312,6 +343,24 @@ class BroadcastReceiver:
         self.group.all_gather_messages(str(version))
         return version
 
+    def _adopts(self, specs: Sequence[HFSpec]) -> bool:
+        """Whether the engine can take buckets in the sender's shared memory as its parameters: an engine in
+        this process that does not keep the buckets it is given and adopts these tensors (`adopts_update`)."""
+        local, engine = self.local, self.local.engine
+        plain = hasattr(local, "load_adopted") and not local.keeps_buffers and not local.shares_buffers
+        return (
+            plain
+            and hasattr(engine, "load_buckets")
+            and hasattr(engine, "adopts_update")
+            and engine.adopts_update(specs)
+        )
+
+    def _locked(self) -> None:
+        """An adopted update: the engine holds its weights lock (or failed before it could); the sender may write."""
+        if self._locking:
+            self._locking = False
+            self.group.sync_point()
+
     def _control(self) -> list[int]:
         message = torch.empty(3, dtype=torch.int64, device=self.group.device)
         self.group.broadcast(message)
@@ -323,15 +372,16 @@ class BroadcastReceiver:
         the sender's end mark.
 
         An engine in this process gets the buckets received one ahead, on a thread of its own
-        (`_ReceiveAhead`): bucket k+1 arrives while bucket k is checked and loaded, and a bucket is handed on
+        (`ReceiveAhead`): bucket k+1 arrives while bucket k is checked and loaded, and a bucket is handed on
         only once it passed, or with its checksums for an engine that checks as it copies
         (`checks_as_it_copies`). An IPC hop passes the checksums on instead (its vLLM workers check them,
         end to end)."""
-        if self.local.shares_buffers or self._via_shm:  # by shared memory: nothing to receive ahead
+        self._locked()  # first asked for inside the engine's weights lock
+        if self.local.shares_buffers or (self._via_shm and not self._adopting):  # nothing to receive ahead
             while (received := self._receive(verify)) is not None:
                 yield self._hand_on(*received)
             return
-        ahead = self._ahead = _ReceiveAhead(lambda: self._receive(verify), self._hand_on)
+        ahead = self._ahead = ReceiveAhead(lambda: self._receive(verify), self._hand_on)
         try:
             while (bucket := ahead.next()) is not None:
                 yield bucket
@@ -368,17 +418,18 @@ class BroadcastReceiver:
             self.group.broadcast(changed)
             self.group.broadcast(values)
             buffer[changed] = values
-        elif kind == _SHARED:
-            return self._receive_shared(position, numel, getattr(torch, dtype), entries, verify)
+        elif kind in (_SHARED, _ADOPTED):
+            return self._receive_shared(position, numel, getattr(torch, dtype), entries, verify, kind == _ADOPTED)
         else:
             buffer = self._buffer(position, numel, getattr(torch, dtype))
             self.group.broadcast(buffer)
         return FlatBucket(buffer, tuple(HFSlot(*e) for e in entries)), self._checksums(len(entries), verify)
 
-    def _receive_shared(self, position: int, numel: int, dtype: torch.dtype, entries, verify: bool):
+    def _receive_shared(self, position: int, numel: int, dtype: torch.dtype, entries, verify: bool, adopted: bool):
         """A bucket the sender left in shared memory: its place and checksums; the sender's buffer mapped here
-        (acknowledged once the engine asks for the next bucket), or copied into one of this side's own for an
-        engine that keeps or passes on its buckets (acknowledged at once)."""
+        (acknowledged once the engine asks for the next bucket; an `adopted` one, kept for its position and
+        taken as the engine's parameters, never), or copied into one of this side's own for an engine that
+        keeps or passes on its buckets (acknowledged at once)."""
         message, unmapped = torch.empty(PLACE_BYTES + (8 * len(entries) if verify else 0), dtype=torch.uint8), None
         self.group.broadcast(message)  # the place, then the checksums (`verify`)
         place, expected = message[:PLACE_BYTES], message[PLACE_BYTES:].view(torch.int64) if verify else None
@@ -392,6 +443,8 @@ class BroadcastReceiver:
                 f"could not map the trainer's shared-memory weight bucket ({unmapped}); construct the"
                 " BroadcastSender with shm=False to broadcast over the weight group instead"
             ) from unmapped
+        if adopted:
+            return FlatBucket(buffer, tuple(HFSlot(*e) for e in entries), kept=True), expected
         if self._copies_shared:
             buffer = self._buffer(position, numel, dtype).copy_(buffer)
             self.group.sync_point()
@@ -425,48 +478,6 @@ class BroadcastReceiver:
         if self._ring is not None:
             return self._ring.take(numel, dtype, self.group.device)
         return alloc_flat(numel, dtype, self.group.device)
-
-
-class _ReceiveAhead:
-    """A receiver's buckets received on a thread of its own, one ahead of the engine.
-
-    The thread receives bucket k+1 while the engine's side checks and loads bucket k (`next`), then waits
-    until that side asks for bucket k+1 (done with bucket k, whose buffer bucket k+2 may reuse). `finish`
-    reads the rest of the update, not handed on, and returns once its end mark was read (the group stays
-    in step after a failed check or load).
-    """
-
-    def __init__(self, receive, hand_on):
-        self._receive, self._hand_on = receive, hand_on  # hand_on(bucket, checksums): checked, or to check
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # the semaphore keeps it to one bucket ahead
-        self._asked = threading.Semaphore(0)
-        self._draining = False
-        self._thread = threading.Thread(target=self._run, name="megarl-bucket-receive", daemon=True)
-        self._thread.start()
-
-    def next(self) -> Optional[FlatBucket]:
-        """The next bucket as `hand_on` gives it (checked, or with its checksums still to check); None at the
-        update's end; a receive's error is raised here."""
-        received, error = self._ready.get()
-        self._asked.release()  # the engine is done with the bucket before: its buffer may take the next
-        if error is not None:
-            raise error
-        return None if received is None else self._hand_on(*received)
-
-    def finish(self) -> None:
-        self._draining = True
-        self._asked.release()
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            while (received := self._receive()) is not None:
-                if not self._draining:
-                    self._ready.put((received, None))
-                    self._asked.acquire()
-            self._ready.put((None, None))
-        except BaseException as err:  # noqa: BLE001 -- the group failed: handed to the engine's side, which raises it
-            self._ready.put((None, err))
 
 
 def _host_and_user(min_free_bytes: int = 0) -> Optional[str]:

@@ -272,7 +272,7 @@ class ShardingManager:
             return None
         into = getattr(sender, "adopt_into", None)  # set by the sender's check (`InPlaceSender`, `IpcSender`)
         if into is not None and not self._room_to_adopt(sender.shares_buffers):
-            into = None  # the engine copies each bucket in, from the rings
+            into = sender.adopt_into = None  # the engine copies each bucket in, from the rings
         buckets = self.iter_buckets(fresh=sender.keeps_buffers, shared=sender.shares_buffers, into=into)
         return sender.send(buckets, version)
 
