@@ -31,9 +31,12 @@ places every other round, since the first sync of a transport after another's ru
                  update in, the path before 2026-11-27);
   * broadcast  — `sync(BroadcastSender(group))` to an embedded engine in another process over a
                  gloo weight group (the server-mode path). Both processes run on this host, so the
-                 buckets cross by shared memory (since 2026-11-27): the receiver maps the sender's
-                 buffer and copies from it into its model, checking each tensor as it copies it;
-                 only control messages, places and checksums go over the group;
+                 buckets cross by shared memory (since 2026-11-27): the ranks write each bucket into
+                 shared memory the sender keeps per bucket position, which the receiver's engine took as
+                 its parameters at its first sync (adoption, since 2026-12-03: it then only checks them;
+                 before, it copied each bucket from the sender's buffer into its model, checking as it
+                 copied: `MEGARL_ADOPT_WEIGHTS=0`); only control messages, places and checksums go over
+                 the group;
   * broadcast-tcp — the same with `BroadcastSender(shm=False)`: one gloo broadcast per bucket buffer
                  (the path of engine servers on other hosts, on CPU);
   * ipc-unverified, broadcast-unverified — the same without the integrity check (`verify=False`:

@@ -42,8 +42,8 @@ ranks write straight into the engines' models, which only check what they hold, 
 (a bucket's memory is its own), while they hold their weights lock (the sender waits for that at the update's
 start). The price: a corrupted bucket is found in the model, and the engine then refuses requests until an
 update succeeds (`UpdateProgress.touched`), as for in-process and IPC adoption. On 2 cores the 0.4 GB sync of
-`benchmarks/weight_sync.py` was 0.16–0.20× a copy's bytes/s over TCP, 0.47–0.58× by shared memory with the
-receiver's copy (the gather plus that copy) and XXX adopted (`benchmarks/HISTORY.md`).
+`benchmarks/weight_sync.py` was 0.16–0.20× a copy's bytes/s over TCP, 0.45–0.58× by shared memory with the
+receiver's copy (the gather plus that copy), 0.57–0.80× adopted (the gather plus the check's read).
 """
 
 from __future__ import annotations
