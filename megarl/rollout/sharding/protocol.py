@@ -182,7 +182,8 @@ class Sender(Protocol):
     keeps_buffers: bool
     shares_buffers: bool
     # optional: `adopt_into` (set by `check`): buffers of the engine's own in which every bucket must
-    # land, the engine then takes them as its parameters (`senders.InPlaceSender`)
+    # land, the engine then takes them as its parameters (`senders.InPlaceSender`, `ipc.IpcSender`,
+    # `broadcast.BroadcastSender`); a producer that cannot land them there sets it to None before `send`
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:
         """Raise `WeightUpdateError` naming the first tensor the engine(s) cannot take; loads nothing."""
