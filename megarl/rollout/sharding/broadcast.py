@@ -66,7 +66,7 @@ from megarl.rollout.sharding.protocol import (
 from megarl.rollout.sharding.receive_ahead import ReceiveAhead
 from megarl.rollout.sharding.senders import sender_for
 from megarl.rollout.sharding.shm import PLACE_BYTES, ShmPeers, host_id, ring_room, same_host
-from megarl.rollout.sharding.transport import BufferRing, KeptBuffers
+from megarl.rollout.sharding.transport import BufferRing, KeptBuffers, adoption_enabled
 from megarl.rollout.sharding.weight_group import WeightGroup
 from megarl.utils.faults import hold
 
@@ -108,7 +108,7 @@ class BroadcastSender:
         self.shm = shm and group.backend == "gloo"
         # `adopt` (same host): buckets land in shared memory kept for these engines, which take it as their
         # parameters (`adopt_into`, set by `check` where every receiver can; `MEGARL_ADOPT_WEIGHTS=0`: never)
-        self.adopt = self.shm and adopt and os.environ.get("MEGARL_ADOPT_WEIGHTS", "1") != "0"
+        self.adopt = self.shm and adopt and adoption_enabled()
         self._adopted = KeptBuffers()
         self.adopt_into: Optional[KeptBuffers] = None
         self._adopting = False  # this update's buckets land in `_adopted`
@@ -275,7 +275,8 @@ class BroadcastReceiver:
 
     def __init__(self, group: WeightGroup, engine):
         self.group, self.engine = group, engine
-        self.local = sender_for(engine)
+        # an engine in this process may take a same-host sender's shared memory as its parameters (`adopt_into`)
+        self.local = sender_for(engine, adopt=getattr(engine, "in_process", True))
         self._layouts: list = []
         # an engine in another process (IPC): one shared-memory buffer per bucket position, reused by
         # every update (no fresh shared-memory pages to allocate and zero after the first)
@@ -308,7 +309,7 @@ class BroadcastReceiver:
         specs = [HFSpec(n, tuple(s), getattr(torch, d)) for n, s, d in header["specs"]]
         try:
             self.local.check(specs, partial=header["partial"])
-            verdict = _ADOPTS if header.get("adopt") and self._adopts(specs) else None
+            verdict = _ADOPTS if header.get("adopt") and getattr(self.local, "adopt_into", None) is not None else None
         except WeightUpdateError as err:
             verdict = str(err)
         failures = [m for m in self.group.all_gather_messages(verdict) if m and m != _ADOPTS]
@@ -318,14 +319,15 @@ class BroadcastReceiver:
         if kind != _BEGIN:
             raise RuntimeError(f"weight group out of step: expected the start of an update, got message kind {kind}")
         self._position, self._ended, self._via_shm = 0, False, bool(via_shm)
-        self._locking = self._adopting = adopted = via_shm == 2
+        self._locking = self._adopting = via_shm == 2
+        if not self._adopting and hasattr(self.local, "adopt_into"):
+            self.local.adopt_into = None  # the buckets are not in memory of the engine's: it copies them in
         self._delta = header.get("delta", False) and not via_shm  # by shared memory every bucket comes whole
         self._ahead: Optional[ReceiveAhead] = None
         if hasattr(self.local, "verify"):  # an IPC hop inside the server checks as the sender asked
             self.local.verify = header.get("verify", True)
         try:
-            buckets = self._buckets(header.get("verify", False))
-            version = self.local.load_adopted(buckets, version) if adopted else self.local.send(buckets, version)
+            version = self.local.send(self._buckets(header.get("verify", False)), version)
         except Exception as err:
             self._locked()  # (the engine failed before it took its lock)
             if self._ahead is not None:
@@ -342,18 +344,6 @@ class BroadcastReceiver:
             self._peers.end_sync()
         self.group.all_gather_messages(str(version))
         return version
-
-    def _adopts(self, specs: Sequence[HFSpec]) -> bool:
-        """Whether the engine can take buckets in the sender's shared memory as its parameters: an engine in
-        this process that does not keep the buckets it is given and adopts these tensors (`adopts_update`)."""
-        local, engine = self.local, self.local.engine
-        plain = hasattr(local, "load_adopted") and not local.keeps_buffers and not local.shares_buffers
-        return (
-            plain
-            and hasattr(engine, "load_buckets")
-            and hasattr(engine, "adopts_update")
-            and engine.adopts_update(specs)
-        )
 
     def _locked(self) -> None:
         """An adopted update: the engine holds its weights lock (or failed before it could); the sender may write."""

@@ -78,7 +78,7 @@ from megarl.rollout.sharding.protocol import (
     corruption_first,
     verify_bucket,
 )
-from megarl.rollout.sharding.transport import KeptBuffers
+from megarl.rollout.sharding.transport import KeptBuffers, adoption_enabled
 from megarl.rollout.vllm_patches import apply_in_vllm_process, loads_in_place, repack_after_reload
 
 _HELLO = "megarl-worker"
@@ -105,7 +105,7 @@ class IpcSender:
         # engine alone (`adopt_into`, set by `check`), which the engine's CPU workers may take as their
         # parameters (`load_plan.ReplayingLoader.adopt`): later syncs are written straight into the model
         # (`MEGARL_ADOPT_WEIGHTS=0`: never; the workers then copy every update in)
-        self.buffers = KeptBuffers() if adopt and os.environ.get("MEGARL_ADOPT_WEIGHTS", "1") != "0" else None
+        self.buffers = KeptBuffers() if adopt and adoption_enabled() else None
         self.adopt_into: Optional[KeptBuffers] = None
 
     def check(self, specs: Sequence[HFSpec], *, partial: bool = False) -> None:

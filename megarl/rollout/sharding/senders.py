@@ -62,15 +62,10 @@ class InPlaceSender:
     def send(self, buckets: Iterable[FlatBucket], version: int) -> int:
         if self.adopt_into is not None:
             self.adopt_into = None  # this sync's only (the manager has it): the next `check` decides again
-            return self.load_adopted(buckets, version)
+            return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
         if self.checks_as_it_copies:
             return self.engine.load_checked(pending_tensors(buckets, self._announced), version)
         return self.engine.load(checked_tensors(buckets, self._announced), version)
-
-    def load_adopted(self, buckets: Iterable[FlatBucket], version: int) -> int:
-        """Checked buckets the engine takes as its parameters where they are kept for it (`FlatBucket.kept`:
-        its own `update_buffers`, or a broadcast sender's shared memory), else copies in."""
-        return self.engine.load_buckets((check_bucket(b, self._announced) for b in buckets), version)
 
 
 def sender_for(engine, *, verify: bool = True, adopt: bool = False) -> Sender:

@@ -48,6 +48,7 @@ fresh pages) and, for a consumer in another process, one shared-memory buffer pe
 from __future__ import annotations
 
 import functools
+import os
 from collections import deque
 from typing import Iterator, NamedTuple, Optional, Sequence
 
@@ -190,6 +191,12 @@ class SyncBuffers:
         """True when every buffer the rings hold is in host memory."""
         rings = (self.recv, self.send, self.out)
         return all(b is None or b.device.type == "cpu" for ring in rings for b in ring.buffers)
+
+
+def adoption_enabled() -> bool:
+    """Whether senders may offer engines their kept buffers as parameters (`MEGARL_ADOPT_WEIGHTS=0`: never; the
+    engines then copy every update in)."""
+    return os.environ.get("MEGARL_ADOPT_WEIGHTS", "1") != "0"
 
 
 class KeptBuffers:
