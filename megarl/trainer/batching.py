@@ -18,6 +18,7 @@ Pure torch / numpy: no Ray, megatron or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
@@ -39,8 +40,8 @@ def requests(prompts: Batch, params: SamplingParams, seed: int) -> list[tuple[li
 
 def masked_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """Each row's ids where the mask is set, as Python lists (two `tolist` calls: indexing row by row
-    costs ~6 µs a row in torch ops)."""
-    return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(ids.tolist(), mask.tolist())]
+    costs ~6 µs a row in torch ops; `itertools.compress` filters in C, 2.6x a comprehension's speed)."""
+    return [list(itertools.compress(row, keep)) for row, keep in zip(ids.tolist(), mask.tolist())]
 
 
 def trajectory_batch(
@@ -65,7 +66,7 @@ def trajectory_batch(
     rows["turn_rewards"] = response["turn_rewards"]
     rows["uid"] = np.array([f"{group_prefix}{i // n}" for i in range(len(flat))], dtype=object)
     rows["finish_reason"] = np.array([t.finish_reason for t in flat], dtype=object)
-    rows["policy_version"] = torch.tensor([_oldest_version(t) for t in flat], dtype=torch.long)
+    rows["policy_version"] = _oldest_versions(response["versions"])
     rows["reward_extras"] = [dict(t.reward_extras) for t in flat]
     rows["agent_turns"] = [[_turn_record(t, turn) for turn in t.turns] if len(t.turns) > 1 else None for t in flat]
     return rows
@@ -75,11 +76,16 @@ _REBUILT = ("input_ids", "attention_mask", "position_ids")
 
 
 def _padded(rows: list[list], width: int, pad, dtype: torch.dtype, left: bool = False) -> torch.Tensor:
-    """Ragged Python rows → one [len(rows), width] tensor, built in one `torch.tensor` call (a per-row
-    copy into a preallocated tensor costs ~8 small torch ops per row: 15 ms a step at 256 rows)."""
-    if left:
-        return torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=dtype)
-    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=dtype)
+    """Ragged Python rows → one [len(rows), width] tensor: every element read once, in C (`np.fromiter`
+    over the chained rows), then placed by a boolean mask. Padding each row in Python and handing the
+    nested lists to `torch.tensor` cost 35 ms a column at 512 rows × 1024 tokens; this is ~4 ms."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np_dtype, count=int(lengths.sum()))
+    out = np.full((len(rows), width), pad, dtype=np_dtype)
+    columns = np.arange(width)
+    out[columns >= width - lengths[:, None] if left else columns < lengths[:, None]] = values
+    return torch.from_numpy(out)
 
 
 def _left_padded(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
@@ -101,14 +107,24 @@ def _right_padded(flat: list[Trajectory], pad_token_id: int) -> dict[str, torch.
         "mask": _padded([t.response_mask for t in flat], width, 0, torch.long),
         "logprobs": _padded([t.response_logprobs for t in flat], width, 0.0, torch.float32),
         "versions": _padded([t.response_versions for t in flat], width, -1, torch.long),
-        "turn_rewards": _padded([t.token_rewards() for t in flat], width, 0.0, torch.float32),
+        "turn_rewards": _turn_rewards(flat, width),
     }
 
 
-def _oldest_version(t: Trajectory) -> int:
-    """The oldest policy version among the trajectory's model tokens (0 when it has none)."""
-    versions = [v for v in t.response_versions if v >= 0]
-    return min(versions) if versions else 0
+def _turn_rewards(flat: list[Trajectory], width: int) -> torch.Tensor:
+    """[B, T] with each rewarded turn's reward on its last model token (`Trajectory.turn_rewards`), 0 elsewhere."""
+    out = torch.zeros(len(flat), width, dtype=torch.float32)
+    for row, t in enumerate(flat):
+        for index, reward in t.turn_rewards():
+            out[row, index] += reward
+    return out
+
+
+def _oldest_versions(versions: torch.Tensor) -> torch.Tensor:
+    """[B] the oldest policy version among each row's model tokens (version ≥ 0; 0 when it has none)."""
+    model = versions >= 0
+    oldest = torch.where(model, versions, torch.iinfo(versions.dtype).max).amin(dim=1)
+    return torch.where(model.any(dim=1), oldest, 0)
 
 
 def _turn_record(t: Trajectory, turn) -> dict:
@@ -133,7 +149,7 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     width = batch["response_mask"].shape[1]
     responses = batch["input_ids"][:, -width:]
     rows = masked_rows(responses, batch["attention_mask"][:, -width:])
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

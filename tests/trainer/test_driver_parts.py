@@ -43,8 +43,8 @@ def test_rollout_batch_appends_right_padded_responses_to_left_padded_prompts():
     assert batch["rollout_log_probs"].dtype == batch["turn_rewards"].dtype == torch.float32
 
     class Ids:  # a tokenizer whose text is the ids it decodes
-        def decode(self, ids, skip_special_tokens):
-            return " ".join(map(str, ids))
+        def batch_decode(self, rows, skip_special_tokens):
+            return [" ".join(map(str, ids)) for ids in rows]
 
     assert batching.decode_responses(batch, Ids()) == ["3", "4 3 3", "9 3", "9 3"]  # the real response tokens
     rewards = batching.outcome_rewards(torch.tensor([1.0, 0.5, 0.0, 2.0]), batch["response_mask"])
@@ -75,6 +75,20 @@ def test_a_two_turn_trajectory_becomes_a_row_with_a_hole_and_rewards_on_model_to
     assert batching.outcome_rewards(torch.tensor([1.0]), holes).tolist() == [[0, 0, 0, 0, 1, 0, 0]]
     assert [t["role"] for t in batch["agent_turns"][0]] == ["assistant", "tool", "assistant"]
     assert batch["agent_turns"][1] is None
+
+
+def test_rows_without_model_tokens_pad_fully_and_take_policy_version_zero():
+    """An aborted request with no tokens and a trajectory of tool tokens only, beside a normal one."""
+    empty = completion_trajectory([5, 6], Completion([], [], "abort", 7))
+    observed = Trajectory([7, 8, 9, 10])
+    observed.add_observation("tool", [20, 21])
+    batch = batching.trajectory_batch(prompts(), [[empty], [observed.finalize()]], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[0, 0, 5, 6, 0, 0], [7, 8, 9, 10, 20, 21]]
+    assert batch["attention_mask"].tolist() == [[0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert batch["response_mask"].tolist() == [[0, 0], [0, 0]]
+    assert batch["response_versions"].tolist() == [[-1, -1], [-1, -1]]
+    assert batch["policy_version"].tolist() == [0, 0]
+    assert batch["turn_rewards"].tolist() == [[0, 0], [0, 0]]
 
 
 def test_only_checkpoints_with_driver_state_count_and_pruning_keeps_the_newest(tmp_path):
