@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import contextlib
 import functools
 import multiprocessing
 import os
@@ -77,41 +76,67 @@ class RewardTimeout(BaseException):
     """Raised inside a reward fn by the alarm (a BaseException so `except Exception` can't eat it)."""
 
 
-def _on_alarm(signum, frame):
-    raise RewardTimeout()
+class _SampleDeadlines:
+    """Per-sample time limits for a batch scored in the main thread, from one SIGALRM timer: the timer
+    is armed once; when it fires, the handler raises `RewardTimeout` if the running sample has had its
+    `timeout_s`, and otherwise re-arms for what that sample has left (a full limit between samples).
+    Each sample then only notes when it started: arming and disarming a timer around every sample
+    cost 4.5 µs of its 7 (two syscalls and the signal module's enum lookups), 1.2 ms of a 256-sample step."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.started: float | None = None
+        """When the running sample started (monotonic); None between samples."""
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        return self
+
+    def __exit__(self, *exc):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+    def _on_alarm(self, signum, frame):
+        started = self.started
+        left = self.timeout_s if started is None else started + self.timeout_s - time.monotonic()
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise RewardTimeout()
+
+    def score(self, handle, solution: str, ground_truth: Any, extra: dict):
+        """One sample under its limit: (result dict, None) or (None, error text)."""
+        fn = handle if callable(handle) else get_reward_fn(handle)
+        try:
+            return normalize_result(self._timed(fn, solution, ground_truth, extra)), None
+        except RewardTimeout:
+            return None, f"timeout: reward fn ran past {self.timeout_s:g}s"
+        except Exception as e:  # noqa: BLE001 -- any failure of user code becomes a recorded failure
+            return None, f"{type(e).__name__}: {e}"
+
+    def _timed(self, fn, *args):
+        self.started = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.started = None
 
 
-@contextlib.contextmanager
-def _alarm_handler():
-    """`_on_alarm` as this process's SIGALRM handler inside the block (the main thread only: signals are
-    delivered there); the previous handler after it. Installed once around a batch scored in this
-    thread, so each sample only arms and disarms its timer (1.6 → 0.3 ms for 256 samples)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGALRM) is _on_alarm:
-        yield
-        return
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+def _score_inline(tasks: list[tuple], timeout_s: float) -> list[tuple]:
+    """Every task (handle, solution, ground truth, extra) in this thread: (result dict, None) or (None,
+    error text) each. In the main thread under `_SampleDeadlines`; elsewhere (signals reach only the
+    main thread) without a time limit."""
+    deadlines = _SampleDeadlines(timeout_s)
+    if threading.current_thread() is not threading.main_thread():
+        return [deadlines.score(*task) for task in tasks]
+    with deadlines:
+        return [deadlines.score(*task) for task in tasks]
 
 
 def _score_one(handle, solution: str, ground_truth: Any, extra: dict, timeout_s: float):
-    """Run one reward fn (in a worker); returns (result dict, None) or (None, error text)."""
-    fn = handle if callable(handle) else get_reward_fn(handle)
-    with _alarm_handler():
-        use_alarm = threading.current_thread() is threading.main_thread()  # the handler is installed there
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        try:
-            return normalize_result(fn(solution, ground_truth, extra)), None
-        except RewardTimeout:
-            return None, f"timeout: reward fn ran past {timeout_s:g}s"
-        except Exception as e:  # noqa: BLE001 -- any failure of user code becomes a recorded failure
-            return None, f"{type(e).__name__}: {e}"
-        finally:
-            if use_alarm:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+    """One sample, in a pool worker."""
+    return _score_inline([(handle, solution, ground_truth, extra)], timeout_s)[0]
 
 
 def _ping() -> int:
@@ -140,8 +165,7 @@ class RewardRunner:
         tasks = self._tasks(solutions, ground_truths, data_sources, extras)
         with self._lock:
             if self.config.num_workers == 0:
-                with _alarm_handler():
-                    return [self._finish(*_score_one(*t, self.config.timeout_s)) for t in tasks]
+                return [self._finish(*scored) for scored in _score_inline(tasks, self.config.timeout_s)]
             return self._score_in_pool(tasks)
 
     async def score_async(self, *args, **kwargs) -> list[dict[str, Any]]:

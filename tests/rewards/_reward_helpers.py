@@ -17,6 +17,13 @@ def sleeps_on_slow(solution_str, ground_truth, extra):
     return {"score": float(solution_str == ground_truth), "acc": 1.0}
 
 
+def sleeps_its_seconds(solution_str, ground_truth, extra):
+    if solution_str.startswith("sleep "):  # "sleep 0.25": that many seconds, then a right answer
+        time.sleep(float(solution_str.split()[1]))
+        return 1.0
+    return float(solution_str == ground_truth)
+
+
 def hangs_ignoring_alarm(solution_str, ground_truth, extra):
     if solution_str == "hang":  # like C code that never checks for signals
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])

@@ -113,6 +113,18 @@ def test_in_process_timeout_records_it_scores_the_rest_and_restores_the_alarm_ha
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_in_process_limit_is_per_sample_not_per_batch():
+    """Three samples of 0.3 s each under a 0.5 s limit all finish (each has its own limit, though the
+    batch runs past it); a slow one after them still times out, and a sample after that gets a full limit."""
+    r = RewardRunner(RewardConfig(num_workers=0, timeout_s=0.5, reward_fn=f"{HELPERS}:sleeps_its_seconds"))
+    solutions = ["sleep 0.3"] * 3 + ["sleep 30", "sleep 0.3", "a"]
+    start = time.monotonic()
+    out = r.score(solutions, ["a"] * 6)
+    assert time.monotonic() - start < 5
+    assert [x["score"] for x in out] == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert out[3]["reward_error"].startswith("timeout") and all(x["reward_error"] is None for x in out[:3] + out[4:])
+
+
 def test_unknown_data_source_fails_before_scoring_naming_the_fix():
     r = RewardRunner(RewardConfig(num_workers=0))
     with pytest.raises(ValueError, match="no reward for data_source 'mystery'.*data_source_rewards"):
