@@ -149,7 +149,14 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     width = batch["response_mask"].shape[1]
     responses = batch["input_ids"][:, -width:]
     rows = masked_rows(responses, batch["attention_mask"][:, -width:])
+    if width >= LONG_ROW_TOKENS:  # transformers checks a list's every element; an array it converts in C
+        rows = [np.asarray(ids, dtype=np.int64) for ids in rows]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+LONG_ROW_TOKENS = 64
+"""From this response width on, rows go to `batch_decode` as arrays: 512 rows of ~770 tokens decode in 38
+instead of 67 ms; 256 rows of ~3 tokens take 0.9 instead of 0.5 ms (its per-array type test)."""
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
