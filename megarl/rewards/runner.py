@@ -80,20 +80,26 @@ class _SampleDeadlines:
     """Per-sample time limits for a batch scored in the main thread, from one SIGALRM timer: the timer
     is armed once; when it fires, the handler raises `RewardTimeout` if the running sample has had its
     `timeout_s`, and otherwise re-arms for what that sample has left (a full limit between samples).
-    Each sample then only notes when it started: arming and disarming a timer around every sample
-    cost 4.5 µs of its 7 (two syscalls and the signal module's enum lookups), 1.2 ms of a 256-sample step."""
+    Each sample then only notes when it started, and after it looks whether the timer still runs (a fn
+    with its own alarm, like math-verify's timeouts, ends with `signal.alarm(0)`, which stops this timer
+    too): re-armed if not. Arming and disarming a timer around every sample cost 4.5 µs of its 7 (two
+    syscalls and the signal module's enum lookups), 1.2 ms of a 256-sample step."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.started: float | None = None
         """When the running sample started (monotonic); None between samples."""
+        self.armed = False
+        """Inside the block (main thread): the timer is this object's to keep running."""
 
     def __enter__(self):
         self.previous = signal.signal(signal.SIGALRM, self._on_alarm)
         signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        self.armed = True
         return self
 
     def __exit__(self, *exc):
+        self.armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self.previous)
 
@@ -121,6 +127,8 @@ class _SampleDeadlines:
             return fn(*args)
         finally:
             self.started = None
+            if self.armed and signal.getitimer(signal.ITIMER_REAL)[0] == 0:  # stopped by the fn's own alarm
+                signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
 
 
 def _score_inline(tasks: list[tuple], timeout_s: float) -> list[tuple]:

@@ -125,6 +125,15 @@ def test_in_process_limit_is_per_sample_not_per_batch():
     assert out[3]["reward_error"].startswith("timeout") and all(x["reward_error"] is None for x in out[:3] + out[4:])
 
 
+def test_in_process_limit_holds_after_a_reward_fn_that_stops_every_alarm():
+    """A fn with its own alarm (math-verify's way) ends with `alarm(0)`; the next slow sample still times out."""
+    r = RewardRunner(RewardConfig(num_workers=0, timeout_s=0.3, reward_fn=f"{HELPERS}:keeps_its_own_alarm"))
+    start = time.monotonic()
+    out = r.score(["a", "b", "sleep 0.8"], ["a", "a", "a"])
+    assert [x["score"] for x in out] == [1.0, 0.0, 0.0] and out[2]["reward_error"].startswith("timeout")
+    assert time.monotonic() - start < 0.75
+
+
 def test_unknown_data_source_fails_before_scoring_naming_the_fix():
     r = RewardRunner(RewardConfig(num_workers=0))
     with pytest.raises(ValueError, match="no reward for data_source 'mystery'.*data_source_rewards"):
