@@ -31,8 +31,7 @@ def keeps_its_own_alarm(solution_str, ground_truth, extra):
         raise TimeoutError("own alarm")
 
     if solution_str.startswith("sleep "):  # this one without: a plain slow sample
-        time.sleep(float(solution_str.split()[1]))
-        return 1.0
+        return sleeps_its_seconds(solution_str, ground_truth, extra)
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(5)
     try:

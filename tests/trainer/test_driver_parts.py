@@ -78,7 +78,7 @@ def test_a_two_turn_trajectory_becomes_a_row_with_a_hole_and_rewards_on_model_to
 
 
 def test_rows_without_model_tokens_pad_fully_and_take_policy_version_zero():
-    """An aborted request with no tokens and a trajectory of tool tokens only, beside a normal one."""
+    """An aborted request with no tokens, and a trajectory of tool tokens only."""
     empty = completion_trajectory([5, 6], Completion([], [], "abort", 7))
     observed = Trajectory([7, 8, 9, 10])
     observed.add_observation("tool", [20, 21])
