@@ -152,10 +152,12 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     """The response text of every row: all its response tokens, the model's and (in multi-turn rows) the
     tool / user / environment turns between them (special tokens such as the stop token dropped)."""
     width = batch["response_mask"].shape[1]
-    responses = batch["input_ids"][:, -width:]
-    rows = masked_rows(responses, batch["attention_mask"][:, -width:])
+    responses, mask = batch["input_ids"][:, -width:], batch["attention_mask"][:, -width:]
     if width >= LONG_ROW_TOKENS:  # transformers checks a list's every element; an array it converts in C
-        rows = [np.asarray(ids, dtype=np.int64) for ids in rows]
+        # masked in numpy, not via lists: 2 instead of 60 ms at 512 rows x 1024 tokens
+        rows = [row[keep] for row, keep in zip(responses.numpy(), mask.numpy().astype(bool))]
+    else:
+        rows = masked_rows(responses, mask)
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 

@@ -91,6 +91,27 @@ def test_rows_without_model_tokens_pad_fully_and_take_policy_version_zero():
     assert batch["turn_rewards"].tolist() == [[0, 0], [0, 0]]
 
 
+def test_long_responses_decode_to_the_same_texts_as_short_ones_do():
+    """From `LONG_ROW_TOKENS` on, rows reach the tokenizer as numpy arrays masked in numpy: the same tokens, holes
+    (a tool turn, padding) dropped, in the same order as the list path gives them."""
+    long = batching.LONG_ROW_TOKENS + 5
+    tool_turn = Trajectory([5, 6])
+    tool_turn.add_model_turn(list(range(11, 11 + long - 4)), [-0.1] * (long - 4), version=1)
+    tool_turn.add_observation("tool", [7, 8])
+    tool_turn.add_model_turn([9, 2], [-0.1, -0.2], version=1)
+    short = completion_trajectory([7, 8, 9, 10], Completion([9, 2], [-1.0, -2.0], "stop", 1))
+    batch = batching.trajectory_batch(prompts(), [[tool_turn.finalize()], [short]], pad_token_id=0)
+    assert batch["response_mask"].shape[1] == long
+
+    class Ids:  # a tokenizer whose text is the ids it decodes, and which sees what it is given
+        def batch_decode(self, rows, skip_special_tokens):
+            assert all(isinstance(ids, np.ndarray) for ids in rows)
+            return [" ".join(map(str, ids)) for ids in rows]
+
+    expected = [" ".join(map(str, [*range(11, 11 + long - 4), 7, 8, 9, 2])), "9 2"]
+    assert batching.decode_responses(batch, Ids()) == expected
+
+
 def test_only_checkpoints_with_driver_state_count_and_pruning_keeps_the_newest(tmp_path):
     for step in (2, 4, 6):
         state.save_driver_state(state.step_dir(tmp_path, step), state.DriverState(step, {"epoch": 0, "position": step}))
