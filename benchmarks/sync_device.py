@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from typing import Optional
 
 import torch
 from ipc_device import print_rows, timed  # the sibling benchmark's timer (the device synchronized) and rows
@@ -64,7 +65,9 @@ def write_checkpoint(path: str, quick: bool, dtype: torch.dtype) -> None:
     AutoModelForCausalLM.from_config(model_config(quick, dtype), dtype=dtype).save_pretrained(path)
 
 
-def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, repeats: int) -> dict:
+def bench_rank(
+    hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, repeats: int, profile: Optional[str] = None
+) -> dict:
     from megatron.core import parallel_state as ps
 
     from megarl.models.bridge import ModelBridge
@@ -119,6 +122,8 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
         for name, fn in paths.items():
             setups.get(name, lambda: None)()
             best[name] = min(best[name], timed(device, fn))
+    if profile:
+        _profile(profile, device, {"gather + checksums": summed, "in-process": sync})
     return dict(
         best=best,
         sums_from_pack=sums_checked,
@@ -129,6 +134,31 @@ def bench_rank(hf_dir: str, device: str, dtype: torch.dtype, bucket_mb: float, r
         adopted=adopted,
         freed=freed,
     )
+
+
+def _profile(path: str, device: str, paths: dict) -> None:
+    """Where each path's CPU time goes (it is launch-bound on a GPU): cProfile's functions and torch.profiler's
+    operators of three runs each, written to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device != "cpu":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with open(path, "w") as out:
+        for name, fn in paths.items():
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda run=fn: [timed(device, run) for _ in range(3)])
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+            out.write(f"== {name}: cProfile, 3 runs\n{text.getvalue()}\n")
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(3):
+                    timed(device, fn)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            out.write(f"== {name}: torch.profiler, 3 runs\n{table}\n")
+    print(f"profile of {', '.join(paths)} written to {path}")
 
 
 def _summed_gather(manager):
@@ -186,13 +216,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a ~3M-parameter model")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", metavar="PATH", help="write cProfile and torch.profiler tables of two paths")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here; pass --device cpu")
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     with tempfile.TemporaryDirectory(prefix="megarl-sync-device-") as hf_dir:
         write_checkpoint(hf_dir, args.quick, dtype)
-        result = run_distributed(bench_rank, 1, hf_dir, args.device, dtype, args.bucket_mb, args.repeats)[0]
+        result = run_distributed(bench_rank, 1, hf_dir, args.device, dtype, args.bucket_mb, args.repeats, args.profile)[
+            0
+        ]
     best, nbytes = result["best"], result["hf_bytes"]
     print(
         f"{args.device}: {nbytes / 2**20:.1f} MiB of {str(dtype).removeprefix('torch.')} HF weights,"
