@@ -8,18 +8,23 @@ flat bucket of HF tensors (`pack.unpack_bucket`: each mapping's own rule, `Mappi
 shard and HF tensor: QKV split per query group, gate/up per shard, the vocabulary without its padding rows). One
 GPU cannot run the NCCL ranks, but the unpack is one process's work: here every TP rank's shards are made from
 random HF tensors (`Mapping.to_mcore` + `shard`, as the bridge lays them out), packed (`pack.pack_bucket`) and
-stacked, then each sharded bucket is unpacked. On a GPU the pack is one launch a bucket (`pack_bucket_summed`) and
-the unpack one copy per shard and tensor, so this measures what is left launch-bound there.
+stacked, then each sharded bucket is unpacked. On a GPU the pack is one launch a bucket (`pack_bucket_summed`), and
+so is the unpack (`unpack_runs.unpack_in_one_launch`: the rules' permutation, traced once per bucket layout, as
+runs of words copied and summed per HF tensor); by its rules it is one copy per shard and tensor (H200,
+2026-12-04: 280 / 560 / 1,120 copies at TP 2 / 4 / 8, 0.19x / 0.12x / 0.05x of a device copy).
 
-Checked before timing: every unpacked bucket holds the HF tensors bit for bit. Timed (best of --repeats, the
-device synchronized at both ends): `copy` (one copy of all the sharded buckets' bytes) and `unpack` (every
-sharded bucket unpacked into its flat buffer), per TP size. Prints GB/s, the ratio against the copy and the
-number of copy calls the unpack makes (`Tensor.copy_` counted once, untimed).
+Checked before timing: every unpacked bucket holds the HF tensors bit for bit, by the rules and by the default
+path (one launch on a GPU), whose checksums equal `protocol.checksums`. Timed (best of --repeats, alternating, the
+device synchronized at both ends): `copy` (one copy of all the sharded buckets' bytes), `unpack by rules` and
+`unpack` (every sharded bucket unpacked into its flat buffer: the default path), per TP size. Prints GB/s, the
+ratio against the copy, the number of copy calls the rules make (`Tensor.copy_` counted once, untimed) and how
+many buckets went in one launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from unittest import mock
 
 import torch
@@ -30,6 +35,7 @@ from megarl.models.mapping import padded_vocab_size
 from megarl.models.weight_map import WeightMap
 from megarl.rollout.sharding.pack import pack_bucket, unpack_bucket
 from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES, ParamMeta, plan_sync
+from megarl.rollout.sharding.protocol import checksums
 
 
 def model_config(quick: bool):
@@ -72,25 +78,32 @@ def run_tp(config, tp: int, device: str, dtype: torch.dtype, bucket_mb: float, r
     sharded = [b for b in plan.buckets if b.sharded and not b.arrives_flat]
     gathered = {b.index: torch.cat([pack_bucket(b, rank, wmap.dims) for rank in ranks]) for b in sharded}
     outs = {b.index: torch.empty(b.hf_numel, dtype=dtype, device=device) for b in sharded}
-    for bucket in sharded:  # the check: the HF tensors, bit for bit
-        flat = unpack_bucket(bucket, gathered[bucket.index], wmap.dims, outs[bucket.index])
+    launched = 0
+    for bucket, batched in itertools.product(sharded, (False, None)):  # the check: the HF tensors, bit for bit
+        outs[bucket.index].fill_(float("nan"))
+        flat = unpack_bucket(bucket, gathered[bucket.index], wmap.dims, outs[bucket.index], batched=batched)
         for name, tensor in flat.tensors():
             if not torch.equal(tensor, hf[name]):
-                raise SystemExit(f"TP {tp}: the unpacked {name} differs from the HF tensor")
+                raise SystemExit(f"TP {tp}: the unpacked {name} differs from the HF tensor (batched={batched})")
+        if flat.sums is not None:
+            if not torch.equal(flat.sums, checksums(flat)):
+                raise SystemExit(f"TP {tp}: the one-launch unpack's checksums of bucket {bucket.index} differ")
+            launched += 1
 
-    def unpack():
+    def unpack(batched=None):
         for bucket in sharded:
-            unpack_bucket(bucket, gathered[bucket.index], wmap.dims, outs[bucket.index])
+            unpack_bucket(bucket, gathered[bucket.index], wmap.dims, outs[bucket.index], batched=batched)
 
     nbytes = sum(b.hf_numel for b in sharded) * torch.empty((), dtype=dtype).element_size()
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    copies = _count_copies(unpack)
-    best = {"copy": float("inf"), "unpack": float("inf")}
+    copies = _count_copies(lambda: unpack(False))
+    paths = {"copy": lambda: dst.copy_(src), "unpack by rules": lambda: unpack(False), "unpack": unpack}
+    best = {name: float("inf") for name in paths}
     for _ in range(repeats):
-        best["copy"] = min(best["copy"], timed(device, lambda: dst.copy_(src)))
-        best["unpack"] = min(best["unpack"], timed(device, unpack))
-    return dict(best=best, bytes=nbytes, buckets=len(sharded), copies=copies)
+        for name, fn in paths.items():
+            best[name] = min(best[name], timed(device, fn))
+    return dict(best=best, bytes=nbytes, buckets=len(sharded), copies=copies, launched=launched)
 
 
 def _count_copies(fn) -> int:
@@ -122,9 +135,9 @@ def main() -> None:
         best, nbytes = result["best"], result["bytes"]
         print(
             f"TP {tp}: {nbytes / 2**20:.1f} MiB in {result['buckets']} sharded buckets, unpacked bit for bit;"
-            f" {result['copies']} copy_ calls an unpack"
+            f" {result['copies']} copy_ calls an unpack by rules; {result['launched']} buckets in one launch each"
         )
-        print_rows(best, nbytes, 8, indent="  ")
+        print_rows(best, nbytes, 15, indent="  ")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ HF tensors. Pure torch on tensors, no process groups (`transport` moves the byte
 Owns: `pack_bucket` (a rank's shards, or a replicated bucket's HF tensors, in one flat buffer; on a GPU in one
 Triton launch that also takes the bucket's checksums, `pack_bucket_summed`, else in few), `write_shards` (one TP
 rank's shards straight into the flat bucket, HF layout) and `unpack_bucket` (the TP rows → the flat bucket, each HF
-tensor written once by its mapping's rule, `Mapping.unshard_to_hf`).
+tensor written once by its mapping's rule, `Mapping.unshard_to_hf`; on a GPU in one launch, `unpack_runs`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from megarl.rollout.sharding import devicesum
 from megarl.rollout.sharding.plan import Bucket
 from megarl.rollout.sharding.protocol import FlatBucket
+from megarl.rollout.sharding.unpack_runs import unpack_in_one_launch
 
 
 def pack_bucket(
@@ -212,6 +213,7 @@ def unpack_bucket(
     dims,
     out: Optional[torch.Tensor] = None,
     own: Optional[tuple[int, dict]] = None,
+    batched: Optional[bool] = None,
 ) -> FlatBucket:
     """The flat bucket of HF tensors from the gathered buffer [rows * local_numel] (rows: TP size, or 1).
 
@@ -220,13 +222,24 @@ def unpack_bucket(
     in order are its HF tensor) is the start of the gathered buffer itself. `own` = (row,
     local_params): that row of a sharded bucket was never packed (a rollout rank that is itself a
     TP rank of the bucket's stage); its shards are read from the parameters themselves, which
-    saves copying this rank's share twice.
+    saves copying this rank's share twice. `batched` (default: on a GPU): in one Triton launch that also
+    takes the bucket's checksums (`unpack_runs.unpack_in_one_launch`; the FlatBucket's `sums`) where it can,
+    else one copy per shard and HF tensor by its mapping's rule.
     """
     if bucket.arrives_flat:
         return FlatBucket(gathered[: bucket.hf_numel], bucket.entries)
-    rows = gathered.view(bucket.tp_size, bucket.local_numel)
     if out is None:
         out = torch.empty(bucket.hf_numel, dtype=gathered.dtype, device=gathered.device)
+    if gathered.is_cuda if batched is None else batched:
+        sums = unpack_in_one_launch(bucket, gathered, dims, out, own, _unpack_by_rules)
+        if sums is not None:
+            return FlatBucket(out[: bucket.hf_numel], bucket.entries, sums=sums)
+    return _unpack_by_rules(bucket, gathered, dims, out, own)
+
+
+def _unpack_by_rules(bucket: Bucket, gathered: torch.Tensor, dims, out: torch.Tensor, own) -> FlatBucket:
+    """`unpack_bucket` of a sharded bucket, each HF tensor written by its mapping's rule (`Mapping.unshard_to_hf`)."""
+    rows = gathered.view(bucket.tp_size, bucket.local_numel)
     cursor = 0
     for p in bucket.params:
         shards = [row[p.offset : p.offset + p.numel].view(p.meta.shape) for row in rows]
