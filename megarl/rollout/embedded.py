@@ -136,9 +136,16 @@ class EmbeddedEngine(RolloutEngine):
         with self.updating(version) as progress, torch.no_grad(), self._weights_lock:
             progress.touched = True
             for bucket in buckets:
+                if bucket.kept and bucket.expected is None and self._written_in_place(bucket):
+                    continue  # every tensor adopted at an earlier sync: no views to make (~4 µs each on a GPU)
                 for name, tensor in bucket.tensors():
                     self._take(name, tensor, adopt=bucket.kept)
         return version
+
+    def _written_in_place(self, bucket: FlatBucket) -> bool:
+        """Whether each of the bucket's tensors is already its parameter's memory (`_take`'s first case)."""
+        base, size, params = bucket.buffer.data_ptr(), bucket.buffer.element_size(), self._params
+        return all(params[e.name].data_ptr() == base + e.offset * size for e in bucket.entries)
 
     def _take(self, name: str, tensor: torch.Tensor, *, adopt: bool) -> None:
         param = self._params[name]
