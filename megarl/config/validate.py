@@ -270,6 +270,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         (set(tr.loggers) <= set(LOGGERS), f"trainer.loggers={tr.loggers}: valid loggers are {', '.join(LOGGERS)}"),
         (ro.samples_per_prompt >= 1, f"rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 1"),
         (ro.max_response_tokens >= 1, f"rollout.max_response_tokens={ro.max_response_tokens} must be >= 1"),
+        (ro.sync_bucket_mb >= 1, f"rollout.sync_bucket_mb={ro.sync_bucket_mb} must be >= 1 (MiB)"),
         (ro.engine in ROLLOUT_ENGINES, f"rollout.engine={ro.engine!r}; pick one of {', '.join(ROLLOUT_ENGINES)}"),
         (
             ro.temperature >= 0 and 0 < ro.top_p <= 1,

@@ -16,7 +16,7 @@ What the engine does, and so what is counted (megarl.engine.engine / logprobs / 
 * the vocab-parallel log-prob: bf16 logits [tokens × V/tp] (+ their gradient when training) and
   float32 chunks of `logprob_chunk_tokens` rows (two in the forward, three in the backward);
 * the weight sync: (1 + prefetch) gathered buckets + one output bucket on a rollout rank, two
-  packed shares on a sender (rollout/sharding/transport.py), bucket = DEFAULT_BUCKET_BYTES.
+  packed shares on a sender (rollout/sharding/transport.py), bucket = rollout.sync_bucket_mb.
 Pure Python (imports megarl.models for ModelDims and the vocabulary padding).
 """
 

@@ -34,7 +34,6 @@ from megarl.plan.memory import (
     total_params,
     vllm_memory,
 )
-from megarl.rollout.sharding.plan import DEFAULT_BUCKET_BYTES
 
 VALUE_HEAD_ROLES = ("critic", "reward_model")
 
@@ -166,7 +165,8 @@ def _sync_phase(cfg, roles, resident, vllm: VLLMMemory, pool: str, colocated: bo
     tp = cfg.actor.layout.tp
     actor_here = cfg.actor.pool == pool
     engine_here = cfg.rollout.pool == pool
-    total = CONTEXT_BYTES + sync_buffer_bytes(DEFAULT_BUCKET_BYTES, tp, receiver=engine_here, sender=actor_here)
+    bucket = cfg.rollout.sync_bucket_mb << 20
+    total = CONTEXT_BYTES + sync_buffer_bytes(bucket, tp, receiver=engine_here, sender=actor_here)
     if actor_here:
         total += roles["actor"].static + sum(v for k, v in resident.items() if k != "actor")
     if engine_here:

@@ -91,7 +91,7 @@ class Rollout:
                 kwargs.update(visible_devices=_rank_gpus(ro.tp))
             self.engine = create_engine(cfg.model.hf_path, backend=backend, **kwargs)
         self.sender = None if self.engine is None else sender_for(self.engine, verify=ro.verify_weights, adopt=True)
-        self.manager = _sharding_manager(local_role("actor").engine, set(hosts))
+        self.manager = _sharding_manager(local_role("actor").engine, set(hosts), ro.sync_bucket_mb)
         register_local(self.name, self)
 
     def generate(self, requests: list, request_ids: Optional[list] = None, session_ids: Optional[list] = None) -> list:
@@ -181,7 +181,7 @@ class RolloutSender:
         self.rank, self.verify, self.delta = dist.get_rank(), cfg.rollout.verify_weights, cfg.rollout.delta_weights
         actor = local_role("actor").engine
         self.sends = 0 in dist.get_process_group_ranks(_replica_group(actor))
-        self.manager = _sharding_manager(actor, {0}) if self.sends else None
+        self.manager = _sharding_manager(actor, {0}, cfg.rollout.sync_bucket_mb) if self.sends else None
         self.sender = None
         register_local(self.name, self)
 
@@ -217,8 +217,8 @@ def _replica_group(actor_engine):
     return groups.pg.tp_ep_pp if actor_engine.config.layout.ep > 1 else groups.pg.mp
 
 
-def _sharding_manager(actor_engine, hosts: set[int]):
-    """A manager per actor replica; it feeds the ranks of `hosts` inside that replica."""
+def _sharding_manager(actor_engine, hosts: set[int], bucket_mb: int):
+    """A manager per actor replica, in buckets of `bucket_mb` MiB; it feeds the ranks of `hosts` inside that replica."""
     import torch.distributed as dist
 
     from megarl.rollout.sharding.manager import ShardingManager, TrainGroups
@@ -230,5 +230,9 @@ def _sharding_manager(actor_engine, hosts: set[int]):
     )
     replica = dist.get_process_group_ranks(replica_group)
     return ShardingManager(
-        actor_engine.bridge, actor_engine.chunks, train_groups, rollout_ranks=[r for r in replica if r in hosts]
+        actor_engine.bridge,
+        actor_engine.chunks,
+        train_groups,
+        rollout_ranks=[r for r in replica if r in hosts],
+        bucket_bytes=bucket_mb << 20,
     )

@@ -131,6 +131,7 @@ BAD = [
     (["resources.pools={main: 3}"], r"resources\.pools asks for 3 GPUs .* = 1 \* 2 = 2"),
     (["rollout.mode=server"], r"rollout\.mode=server needs its own pool"),
     (["rollout.delta_weights=true"], r"rollout\.delta_weights=true needs rollout\.mode=server"),
+    (["rollout.sync_bucket_mb=0"], r"rollout\.sync_bucket_mb=0 must be >= 1 \(MiB\)"),
     (
         [
             "resources.gpus_per_node=4",

@@ -43,6 +43,19 @@ def test_plan_json_and_hardware_overrides(capsys):
     assert 1.5 < ratio < 2  # the FLOPs take twice as long; the collectives do not
 
 
+def test_plan_counts_the_sync_bucket_size(capsys):
+    """`rollout.sync_bucket_mb` sizes the weight-sync phase's buffers: three buckets on a colocated rollout rank
+    and two packed shares (bucket / actor tp) on the sender it also is."""
+    args = ["plan", "--config", str(CONFIGS / "llama3-70b_ppo.yaml"), "--json"]
+    assert main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main(args + ["rollout.sync_bucket_mb=1024"]) == 0
+    large = json.loads(capsys.readouterr().out)
+    tp = load_config(CONFIGS / "llama3-70b_ppo.yaml").actor.layout.tp
+    grown = large["phases"]["main"]["weight sync"] - default["phases"]["main"]["weight sync"]
+    assert grown == 3 * (768 << 20) + 2 * (768 << 20) // tp
+
+
 def test_plan_by_hf_config_and_bad_input(capsys, tmp_path):
     assert main(["plan", "--hf-config", "qwen3-30b-a3b", "resources.gpus_per_node=8", "data.files=[x]"]) == 0
     assert "ep1" in capsys.readouterr().out
