@@ -29,15 +29,17 @@
 #      a device copy (H200, 2026-11-28: the pack in one Triton launch a bucket 1.00x of a copy, a copy per tensor
 #      0.46x; checksums 1.72x; the check's share of the sync +25.6% with the pack's sums, +30.4% read back;
 #      since 2026-11-28 the engine compares a bucket's sums after queueing its copies, `ipc-check-first` the
-#      form before: not yet run on a GPU).
+#      form before: 2026-12-04, +19.5% against +31.4%).
 #   6. benchmarks/sync_device.py: the colocated in-process sync (sharding manager -> an embedded engine on the
 #      same GPU, which adopts the buckets) of a Qwen2-1.5B-sized Llama in bf16: bit-identical, the sleep giving
 #      the adopted buffers back, every bucket's one-launch sums equal to a read-back, and bytes/s against a
 #      device copy (H200, 2026-11-28: gather 3.55 ms, 0.48x, checksums included, against 4.75 / 6.37 ms for the
-#      few-launch pack without / with them read back; 5.18 ms, 0.33x awake; 7.81 ms, 0.22x after a wake-up).
+#      few-launch pack without / with them read back; 5.18 ms, 0.33x awake; 7.81 ms, 0.22x after a wake-up;
+#      2026-12-04: 0.35x awake, and in 1 GiB buckets, the second run, 0.50x awake, 0.29x after a wake-up).
 #   7. benchmarks/unpack_device.py: the rollout rank's unpack of TP-sharded buckets (TP 2, 4, 8 of the same
 #      model, made up from random HF tensors on the GPU): bit-identical, its copy_ calls and bytes/s against a
-#      device copy (not yet run on a GPU: whether the unpack is launch-bound there, as the pack was).
+#      device copy (2026-12-04, by the rules: 0.19x / 0.12x / 0.05x at TP 2 / 4 / 8, launch-bound; the one launch
+#      a bucket, `unpack`, not yet run on a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -62,5 +64,6 @@ step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cu
 step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
 step "$PY" benchmarks/ipc_device.py --bucket-mb 1024 --repeats 9
 step "$PY" benchmarks/sync_device.py --repeats 5
+step "$PY" benchmarks/sync_device.py --repeats 5 --bucket-mb 1024
 step "$PY" benchmarks/unpack_device.py --repeats 5
 exit $status
