@@ -15,7 +15,8 @@ HF tensor in one launch (the bucket's `protocol.checksums`, for a verifying send
 The runs name their sources relative to a base per TP row (the gathered buffer's rows) or, for the rollout rank's
 own row (`own`, never packed), per parameter: the absolute addresses are taken per sync from those bases on the
 device (kept while the bases stay the same). None, with nothing written, where a run is off an 8-byte word, a
-parameter of the own row is not as planned, or the kernel cannot run here: the caller keeps the rules.
+parameter of the own row is not as planned, a mapping is of a class other than megarl's own four (whose rules only
+move elements), or the kernel cannot run here: the caller keeps the rules.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from typing import Optional
 
 import torch
 
+from megarl.models.mapping import GateUpMapping, Mapping, QKVMapping, VocabMapping
 from megarl.rollout.sharding import devicesum
 from megarl.rollout.sharding.plan import Bucket
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the launch reads by address
+_MOVES = (Mapping, VocabMapping, QKVMapping, GateUpMapping)  # rules that only move elements: traceable
 _CHUNK = 1 << 24  # words checked per step: bounds that step's temporaries
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ def unpack_in_one_launch(
         return None
     if not devicesum.available(gathered.device, "piece_copy_sums"):
         return None
+    if any(type(p.mapping) not in _MOVES for p in bucket.params):
+        return None  # a mapping class of its own (a new architecture's) may do more than move elements
     own_row = None if own is None else own[0]
     bases = _bases(bucket, gathered, own)
     if bases is None:
@@ -116,7 +121,7 @@ def _runs(bucket: Bucket, traced: torch.Tensor, itemsize: int, own_row: Optional
         return None
     if any(e.numel % per for e in bucket.entries):
         return None
-    source = _source_words(traced, per)
+    source = _source_words(traced, per, bucket.tp_size * bucket.local_numel)
     device = traced.device
     del traced  # the largest temporary
     if source is None:
@@ -137,16 +142,17 @@ def _runs(bucket: Bucket, traced: torch.Tensor, itemsize: int, own_row: Optional
     return _pieces(segment[first], rel[first], first, counts, owner[first])
 
 
-def _source_words(traced: torch.Tensor, per: int) -> Optional[torch.Tensor]:
+def _source_words(traced: torch.Tensor, per: int, n: int) -> Optional[torch.Tensor]:
     """Per output word, the gathered buffer's word it is (int64); None where an output word is not one whole
-    source word (or holds an element no rule wrote)."""
+    source word of the `n` elements (or holds an element no rule wrote): no run may read outside the rows."""
     words = traced.numel() // per
     source = torch.empty(words, dtype=torch.int64, device=traced.device)
     step = torch.arange(per, dtype=traced.dtype, device=traced.device)
     for start in range(0, words, _CHUNK):
         block = traced[start * per : (start + _CHUNK) * per].view(-1, per)
         first = block[:, 0]
-        if not bool(((first % per == 0) & (block == first[:, None] + step).all(1)).all()):
+        whole = (first % per == 0) & (first >= 0) & (first <= n - per) & (block == first[:, None] + step).all(1)
+        if not bool(whole.all()):
             return None
         source[start : start + block.shape[0]] = first.to(torch.int64) // per
     return source
