@@ -231,7 +231,7 @@ def unpack_bucket(
     if out is None:
         out = torch.empty(bucket.hf_numel, dtype=gathered.dtype, device=gathered.device)
     if gathered.is_cuda if batched is None else batched:
-        sums = unpack_in_one_launch(bucket, gathered, dims, out, own, _unpack_by_rules)
+        sums = unpack_in_one_launch(bucket, gathered, dims, out, own)
         if sums is not None:
             return FlatBucket(out[: bucket.hf_numel], bucket.entries, sums=sums)
     return _unpack_by_rules(bucket, gathered, dims, out, own)

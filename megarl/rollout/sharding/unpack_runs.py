@@ -6,11 +6,12 @@ concatenation per row-parallel weight), each a kernel launch whose CPU cost (~20
 GPU time: at TP 8 a 1.5 B model's unpack was 1,120 copies and 0.05× a device copy (`benchmarks/unpack_device.py`).
 
 Every rule only moves elements, so the unpack is one fixed permutation per bucket layout. It is derived once, by
-the rules themselves: they unpack a buffer of element indices (int32, on the bucket's device) instead of weights,
-and the result says where each output element comes from (`_trace`). Consecutive 8-byte words from consecutive
-source words become runs (`_runs`), cut where a source row, a parameter of the rank's own row or a destination
-tensor changes; each run is a segment of `devicesum.copy_sums`, which copies every run and sums the words per
-HF tensor in one launch (the bucket's `protocol.checksums`, for a verifying sender to send as they are).
+the rules themselves, one parameter at a time: its rule unpacks shards of element indices (int32, on the bucket's
+device) instead of weights, and the result says where each output element comes from (`_param_runs`; the
+temporaries are a few times that parameter's bytes, not the bucket's). Consecutive 8-byte words from consecutive
+source words become runs, cut where a source row or a destination tensor changes; each run is a segment of
+`devicesum.copy_sums`, which copies every run and sums the words per HF tensor in one launch (the bucket's
+`protocol.checksums`, for a verifying sender to send as they are).
 
 The runs name their sources relative to a base per TP row (the gathered buffer's rows) or, for the rollout rank's
 own row (`own`, never packed), per parameter: the absolute addresses are taken per sync from those bases on the
@@ -33,17 +34,18 @@ from megarl.rollout.sharding.plan import Bucket
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the launch reads by address
 _MOVES = (Mapping, VocabMapping, QKVMapping, GateUpMapping)  # rules that only move elements: traceable
 _CHUNK = 1 << 24  # words checked per step: bounds that step's temporaries
+_WORD = 8
 logger = logging.getLogger(__name__)
 
 
 def unpack_in_one_launch(
-    bucket: Bucket, gathered: torch.Tensor, dims, out: torch.Tensor, own: Optional[tuple[int, dict]], rules
+    bucket: Bucket, gathered: torch.Tensor, dims, out: torch.Tensor, own: Optional[tuple[int, dict]]
 ) -> Optional[torch.Tensor]:
     """`out[:hf_numel]` written from `gathered` ([tp_size * local_numel]; `own`'s row read from its parameters)
-    as `rules(bucket, gathered, dims, out, own)` would write it; the per-tensor checksums of what was written.
+    as the mapping rules would write it (`pack._unpack_by_rules`); the per-tensor checksums of what was written.
     None, with nothing written, where the one launch does not apply."""
     itemsize = gathered.element_size()
-    if 8 % itemsize or gathered.data_ptr() % 8 or out.data_ptr() % 8 or out.dtype != gathered.dtype:
+    if not _fits(bucket, gathered, out):
         return None
     if not devicesum.available(gathered.device, "piece_copy_sums"):
         return None
@@ -55,18 +57,32 @@ def unpack_in_one_launch(
         return None
     key = ("unpack runs", dims, itemsize, own_row, str(gathered.device))
     if key not in bucket.memo:
-        bucket.memo[key] = _derive(bucket, dims, gathered.device, rules, itemsize, own_row)
+        bucket.memo[key] = _derive(bucket, dims, gathered.device, itemsize, own_row)
     runs = bucket.memo[key]
     if runs is None:
         return None
+    table = _table(bucket, key, runs, bases)
     words = out.view(torch.uint8)[: bucket.hf_numel * itemsize].view(torch.int64)
     try:
-        return devicesum.copy_sums(words, _table(bucket, key, runs, bases), len(bucket.entries))
+        return devicesum.copy_sums(words, table, len(bucket.entries))
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - Triton failing to build or run the kernel on this GPU
         devicesum.disable(err, "piece_copy_sums")
         return None
+
+
+def _fits(bucket: Bucket, gathered: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the buffers are what the launch reads and writes by address: `gathered` exactly the TP rows,
+    `out` room for the flat bucket, both contiguous, of one dtype, on 8-byte words."""
+    itemsize = gathered.element_size()
+    if _WORD % itemsize or out.dtype != gathered.dtype or out.device != gathered.device:
+        return False
+    if gathered.numel() != bucket.tp_size * bucket.local_numel or out.numel() < bucket.hf_numel:
+        return False
+    if not (gathered.is_contiguous() and out.is_contiguous()):
+        return False
+    return gathered.data_ptr() % _WORD == 0 and out.data_ptr() % _WORD == 0
 
 
 def _bases(bucket: Bucket, gathered: torch.Tensor, own: Optional[tuple[int, dict]]) -> Optional[tuple[int, ...]]:
@@ -81,65 +97,67 @@ def _bases(bucket: Bucket, gathered: torch.Tensor, own: Optional[tuple[int, dict
         src = own[1][(p.meta.vp_stage, p.meta.name)]
         if type(src) not in _PLAIN or tuple(src.shape) != tuple(p.meta.shape) or src.dtype != gathered.dtype:
             return None
-        if src.device != gathered.device or not src.is_contiguous() or src.data_ptr() % 8:
+        if src.device != gathered.device or not src.is_contiguous() or src.data_ptr() % _WORD:
             return None
         bases.append(src.data_ptr() - p.offset * itemsize)
     return tuple(bases)
 
 
-def _derive(bucket: Bucket, dims, device: torch.device, rules, itemsize: int, own_row) -> Optional[tuple]:
-    """`_runs` of the rules' permutation, derived once per bucket layout (about four times the bucket's bytes of
-    temporaries on its device); None where they do not fit there: that bucket keeps the rules."""
+def _derive(bucket: Bucket, dims, device: torch.device, itemsize: int, own_row: Optional[int]) -> Optional[tuple]:
+    """The pieces (base index, source word from the base, destination word, words, tensor) of the whole bucket,
+    derived once per bucket layout, parameter by parameter; None where a run is off a word or the temporaries do
+    not fit on the device (that bucket then keeps the rules)."""
+    per = _WORD // itemsize
+    offsets = [e.offset for e in bucket.entries] + [e.numel for e in bucket.entries]
+    if bucket.hf_numel % per or bucket.local_numel % per or any(o % per for o in offsets):
+        return None
+    entry_starts = torch.tensor([e.offset // per for e in bucket.entries], dtype=torch.int64, device=device)
+    parts, cursor = [], 0
     try:
-        return _runs(bucket, _trace(bucket, dims, device, rules), itemsize, own_row)
+        for index, p in enumerate(bucket.params):
+            part = _param_runs(bucket, index, dims, device, per, own_row, cursor, entry_starts)
+            if part is None:
+                return None
+            parts.append(part)
+            cursor += p.hf_numel
     except torch.cuda.OutOfMemoryError as err:
         logger.warning(
             "bucket %d: no memory to derive its one-launch unpack (%s); it keeps the rules", bucket.index, err
         )
         return None
+    return _pieces(*(torch.cat(column) for column in zip(*parts)))
 
 
-def _trace(bucket: Bucket, dims, device: torch.device, rules) -> torch.Tensor:
-    """For every element of the flat bucket, the index of the element of the gathered buffer it comes from
-    (-1: written by no rule): the rules applied to the indices themselves."""
+def _param_runs(bucket: Bucket, index: int, dims, device, per: int, own_row, cursor: int, entry_starts):
+    """Parameter `index`'s runs (base index, source word from it, destination word, words, tensor): its rule
+    applied to shards of element indices into the gathered rows."""
+    p = bucket.params[index]
+    if p.offset % per or p.numel % per:
+        return None
     n = bucket.tp_size * bucket.local_numel
-    dtype = torch.int32 if max(n, bucket.hf_numel) < 2**31 else torch.int64
+    dtype = torch.int32 if n < 2**31 else torch.int64
     with torch.no_grad():
-        index = torch.arange(n, dtype=dtype, device=device)
-        traced = torch.full((bucket.hf_numel,), -1, dtype=dtype, device=device)
-        rules(bucket, index, dims, traced, None)
-    return traced
-
-
-def _runs(bucket: Bucket, traced: torch.Tensor, itemsize: int, own_row: Optional[int]) -> Optional[tuple]:
-    """The pieces (base index, source word from the base, destination word, words, tensor) of the permutation
-    `traced`, on its device; None where an output word is not one whole source word, or a tensor or a parameter
-    begins off a word."""
-    per = 8 // itemsize
-    offsets = [p.offset for p in bucket.params] + [e.offset for e in bucket.entries]
-    if bucket.hf_numel % per or bucket.local_numel % per or any(o % per for o in offsets):
-        return None
-    if any(e.numel % per for e in bucket.entries):
-        return None
-    source = _source_words(traced, per, bucket.tp_size * bucket.local_numel)
-    device = traced.device
-    del traced  # the largest temporary
+        step = torch.arange(p.numel, dtype=dtype, device=device)
+        shards = [(step + (row * bucket.local_numel + p.offset)).view(p.meta.shape) for row in range(bucket.tp_size)]
+        del step
+        traced = torch.full((p.hf_numel,), -1, dtype=dtype, device=device)
+        p.mapping.unshard_to_hf(shards, dims, traced)
+        del shards
+        source = _source_words(traced, per, n)
+        del traced
     if source is None:
         return None
-    nwords, row_words = bucket.hf_numel // per, bucket.local_numel // per
-    row, rel = source // row_words, source % row_words
-    segment = row
-    if own_row is not None:  # the own row's sources: its parameters, each from its own base
-        starts = torch.tensor([p.offset // per for p in bucket.params], dtype=torch.int64, device=device)
-        param = torch.bucketize(rel, starts, right=True) - 1
-        segment = torch.where(row == own_row, bucket.tp_size + param, row)
-    entry_starts = torch.tensor([e.offset // per for e in bucket.entries], dtype=torch.int64, device=device)
-    owner = torch.bucketize(torch.arange(nwords, device=device), entry_starts, right=True) - 1
-    cut = torch.ones(nwords, dtype=torch.bool, device=device)
+    row_words = bucket.local_numel // per
+    row = source // row_words
+    segment = row if own_row is None else torch.where(row == own_row, bucket.tp_size + index, row)
+    del row
+    dst = torch.arange(cursor // per, (cursor + p.hf_numel) // per, dtype=torch.int64, device=device)
+    owner = torch.bucketize(dst, entry_starts, right=True) - 1
+    cut = torch.ones(dst.numel(), dtype=torch.bool, device=device)
     cut[1:] = (source[1:] != source[:-1] + 1) | (segment[1:] != segment[:-1]) | (owner[1:] != owner[:-1])
     first = torch.nonzero(cut).view(-1)
-    counts = torch.diff(first, append=torch.tensor([nwords], device=device))
-    return _pieces(segment[first], rel[first], first, counts, owner[first])
+    counts = torch.diff(first, append=torch.tensor([dst.numel()], device=device))
+    return segment[first], source[first] % row_words, dst[first], counts, owner[first]
 
 
 def _source_words(traced: torch.Tensor, per: int, n: int) -> Optional[torch.Tensor]:
@@ -173,5 +191,5 @@ def _table(bucket: Bucket, key, runs: tuple, bases: tuple[int, ...]) -> tuple[to
     if kept is None or kept[0] != bases:
         segment, rel, first, counts, owner = runs
         base = torch.tensor(bases, dtype=torch.int64).to(segment.device)
-        kept = bucket.memo[("unpack table",) + key] = (bases, (base[segment] + 8 * rel, first, counts, owner))
+        kept = bucket.memo[("unpack table",) + key] = (bases, (base[segment] + _WORD * rel, first, counts, owner))
     return kept[1]
