@@ -4,6 +4,7 @@
 # without TE). Each step runs on its own; a failing one does not stop the others.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, ~4-6 min on an H100/H200
+#   bash scripts/gpu_check.sh sync       # the weight sync's steps alone (5-7), ~4 min on an H200
 #
 # megarl is used from the checkout (PYTHONPATH), not installed. Wheels in .whl/ (for a machine without
 # network: megatron-core's, and omegaconf's, which megarl.plan's package imports, with the antlr4 runtime it
@@ -57,13 +58,15 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)"
-step "$PY" benchmarks/train_step.py --quick
-step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --vocab 128256 \
-    --rows 16 --prompt 256 --response 768 --micro-batch-tokens 8192 --steps 3 --threads 8
-step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
-step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
+if [ "${1:-all}" != sync ]; then
+    step "$PY" benchmarks/train_step.py --quick
+    step "$PY" benchmarks/train_step.py --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --vocab 128256 \
+        --rows 16 --prompt 256 --response 768 --micro-batch-tokens 8192 --steps 3 --threads 8
+    step "$PY" benchmarks/logprob_memory.py --tokens 8192 --vocab 151936 --device cuda --dtype bfloat16
+    step "$PY" scripts/conversion_demo.py --out /tmp/megarl_gpu_conversion --tp 1 --pp 1
+fi
+step "$PY" benchmarks/unpack_device.py --repeats 5  # first: the one-launch unpack has not yet run on a GPU
 step "$PY" benchmarks/ipc_device.py --bucket-mb 1024 --repeats 9
 step "$PY" benchmarks/sync_device.py --repeats 5
 step "$PY" benchmarks/sync_device.py --repeats 5 --bucket-mb 1024
-step "$PY" benchmarks/unpack_device.py --repeats 5
 exit $status
