@@ -252,7 +252,7 @@ class RolloutConfig:
     sync_bucket_mb: int = 256
     """The weight sync's bucket (MiB of gathered HF tensors): a rollout rank holds up to three in flight (two
     packed shares on a sender), and each bucket costs a few launches or messages. On one H200 the colocated
-    sync of a 1.5 B model took 0.35x a device copy's time in 256 MiB buckets, 0.50x in 1024 (launch-bound:
+    sync of a 1.5 B model moved 0.35x a device copy's bytes/s in 256 MiB buckets, 0.50x in 1024 (launch-bound:
     `benchmarks/sync_device.py --bucket-mb`, 2026-12-04)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Agent loops (multi-turn tools, environments): which loop, its limits, the tool YAML. A row's
