@@ -49,6 +49,18 @@ def available(device: torch.device, kernel: str = "piece_sums") -> bool:
     return _kernel(kernel) is not None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def readable(src: torch.Tensor, shape, like: torch.Tensor) -> bool:
+    """Whether a kernel here may read `src` by its address as `shape` words of `like`'s dtype on its device: a
+    plain tensor (a subclass, a DTensor or a quantized wrapper, may have no plain storage to read) of that shape,
+    dtype and device, contiguous, on an 8-byte word (`copy_sums`' sources)."""
+    if type(src) not in _PLAIN or tuple(src.shape) != tuple(shape) or src.dtype != like.dtype:
+        return False
+    return src.device == like.device and src.is_contiguous() and src.data_ptr() % 8 == 0
+
+
 def span_sums(words: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Per (start, end) byte span, the int64 sum of the words of `words` (1-D int64, contiguous) it touches
     (from word start // 8 up to the one holding its last byte, cut at the end of `words`)."""

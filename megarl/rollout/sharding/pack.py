@@ -69,9 +69,6 @@ def _pack_param(bucket: Bucket, p, src: torch.Tensor, dims, buf: torch.Tensor) -
         p.mapping.unshard_to_hf([src], dims, buf[p.offset : p.offset + p.hf_numel])
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the one launch reads by address
-
-
 def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Tensor) -> Optional[torch.Tensor]:
     """`pack_bucket` as one Triton launch that copies every run of words (`devicesum.copy_sums`; the runs:
     `_copy_runs`) and sums them per HF tensor as it writes them; its sums (a sharded bucket's are of no
@@ -81,17 +78,12 @@ def _pack_in_one_launch(bucket: Bucket, local_params: dict, dims, buf: torch.Ten
     runs = _copy_runs(bucket, dims, buf.element_size())
     if runs is None or buf.data_ptr() % 8 or not devicesum.available(buf.device, "piece_copy_sums"):
         return None
-    addresses, device = [], buf.get_device()
+    addresses = []
     for p in bucket.params:
         src = local_params[(p.meta.vp_stage, p.meta.name)]
-        if type(src) not in _PLAIN or src.shape != p.meta.shape or src.dtype != buf.dtype:
-            return None  # a tensor subclass (a DTensor, a quantized wrapper) may have no plain storage to read
-        if src.get_device() != device:
+        if not devicesum.readable(src, p.meta.shape, buf):
             return None
-        address = src.data_ptr()
-        if address % 8 or not src.is_contiguous():
-            return None
-        addresses.append(address)
+        addresses.append(src.data_ptr())
     key = ("copy table", str(buf.device), dims, buf.element_size())  # the runs' own key, and the device
     kept = bucket.memo.get(key)
     if kept is None or kept[0] != addresses:  # the table names the sources by address: kept while they stay put

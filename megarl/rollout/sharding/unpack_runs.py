@@ -31,7 +31,6 @@ from megarl.models.mapping import GateUpMapping, Mapping, QKVMapping, VocabMappi
 from megarl.rollout.sharding import devicesum
 from megarl.rollout.sharding.plan import Bucket
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the launch reads by address
 _MOVES = (Mapping, VocabMapping, QKVMapping, GateUpMapping)  # rules that only move elements: traceable
 _CHUNK = 1 << 24  # words checked per step: bounds that step's temporaries
 _WORD = 8
@@ -95,9 +94,7 @@ def _bases(bucket: Bucket, gathered: torch.Tensor, own: Optional[tuple[int, dict
         return tuple(bases)
     for p in bucket.params:
         src = own[1][(p.meta.vp_stage, p.meta.name)]
-        if type(src) not in _PLAIN or tuple(src.shape) != tuple(p.meta.shape) or src.dtype != gathered.dtype:
-            return None
-        if src.device != gathered.device or not src.is_contiguous() or src.data_ptr() % _WORD:
+        if not devicesum.readable(src, p.meta.shape, gathered):
             return None
         bases.append(src.data_ptr() - p.offset * itemsize)
     return tuple(bases)
@@ -108,8 +105,8 @@ def _derive(bucket: Bucket, dims, device: torch.device, itemsize: int, own_row: 
     derived once per bucket layout, parameter by parameter; None where a run is off a word or the temporaries do
     not fit on the device (that bucket then keeps the rules)."""
     per = _WORD // itemsize
-    offsets = [e.offset for e in bucket.entries] + [e.numel for e in bucket.entries]
-    if bucket.hf_numel % per or bucket.local_numel % per or any(o % per for o in offsets):
+    bounds = [e.offset for e in bucket.entries] + [e.numel for e in bucket.entries]
+    if bucket.hf_numel % per or bucket.local_numel % per or any(b % per for b in bounds):
         return None
     entry_starts = torch.tensor([e.offset // per for e in bucket.entries], dtype=torch.int64, device=device)
     parts, cursor = [], 0
