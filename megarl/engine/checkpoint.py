@@ -1,6 +1,7 @@
 """Training checkpoints of an engine (model, optimizer, LR scheduler, RNG, step) and HF export.
 
-Owns: `save_checkpoint`, `load_checkpoint` and `export_hf`. Checkpoints go through megatron-core
+Owns: `save_checkpoint` (optionally asynchronous, completed by `finish_checkpoint`), `load_checkpoint`
+and `export_hf`. Checkpoints go through megatron-core
 `dist_checkpointing` (torch_dist): the model's sharded state dict plus the distributed optimizer's
 `fully_reshardable` state, so a checkpoint written at one TP/PP/DP/EP layout loads at another.
 The RNG states are per rank and are restored only when the layout and world size are unchanged
@@ -9,6 +10,8 @@ The RNG states are per rank and are restored only when the layout and world size
 Writes are atomic: every rank writes into a hidden staging directory next to the target, rank 0
 writes `megarl_checkpoint.json` (the marker) last and renames the directory into place, so a
 crash mid-save never leaves a directory that looks complete (and never harms an older one).
+An asynchronous save (`wait=False`) copies the state and returns; its files are written on a thread
+while training goes on, and `finish_checkpoint` (collective) publishes it the same way once they are.
 
 Saving and loading are collective over the whole torch.distributed world (dist_checkpointing's
 default), so the role must span every rank. Must not import vLLM or Ray.
@@ -223,17 +226,78 @@ def _meta(engine) -> dict:
     }
 
 
-def save_checkpoint(engine, path, *, overwrite: bool = True) -> dict:
-    """Write model, optimizer, scheduler, RNG and step into `path` atomically (collective)."""
+def save_checkpoint(engine, path, *, overwrite: bool = True, wait: bool = True) -> dict:
+    """Write model, optimizer, scheduler, RNG and step into `path` atomically (collective); its metadata.
+
+    `wait=False`: returns once the state is copied (`dcp_save.save_async`) while this rank's files are
+    written on a thread; the checkpoint is published by `finish_checkpoint` (until then `path` does not
+    exist). An engine has at most one such save in flight: a new save, a load or an export finishes it first.
+    """
+    finish_checkpoint(engine, wait=True)
     target = check_target(path, overwrite)
     staging = shared_staging_dir(target)
-    try:
-        dcp_save.save(_full_state(engine, loading=False, with_rng=True), staging)
+    with _removed_on_error(staging):
+        state = _full_state(engine, loading=False, with_rng=True)
+        if wait:
+            dcp_save.save(state, staging)
+        else:
+            pending = dcp_save.save_async(state, staging, live=engine._state_tensors())
         if dist.get_rank() == 0:
             copy_hf_side_files(Path(engine.hf_path), staging / "hf")
         meta = _meta(engine)
-        publish_collective(staging, target, MARKER, meta)
+        if wait:
+            publish_collective(staging, target, MARKER, meta)
+        else:
+            engine.pending_checkpoint = PendingCheckpoint(pending, staging, target, meta)
         return meta
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """An engine checkpoint whose files are still being written (`save_checkpoint(wait=False)`)."""
+
+    save: "dcp_save.PendingSave"
+    staging: Path
+    target: Path
+    meta: dict
+
+
+def finish_checkpoint(engine, *, wait: bool = True) -> bool:
+    """Publish the engine's checkpoint still being written, if any (collective over the world, like the save).
+
+    True when none is in flight any more (published now, earlier, or never started); False only with
+    `wait=False` while some rank is still writing its files (every rank answers the same)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    pending = getattr(engine, "pending_checkpoint", None)
+    if pending is None:
+        return True
+    if not wait and not _on_every_rank(pending.save.written()):
+        return False
+    engine.pending_checkpoint = None
+    with _removed_on_error(pending.staging):
+        try:
+            pending.save.finish()
+        except CheckpointException as err:  # a BaseException in torch; its details reach rank 0 only
+            raise CheckpointError(
+                f"{pending.target}: writing this checkpoint failed on some rank ({err}); it was not published"
+                " and earlier checkpoints are untouched"
+            ) from err
+        publish_collective(pending.staging, pending.target, MARKER, pending.meta)
+    return True
+
+
+def _on_every_rank(flag: bool) -> bool:
+    value = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+@contextlib.contextmanager
+def _removed_on_error(staging: Path):
+    """A save that fails leaves no staging directory behind (rank 0 removes it)."""
+    try:
+        yield
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -246,6 +310,7 @@ def load_checkpoint(engine, path) -> dict:
 
     from megarl.models.convert import load_model_state
 
+    finish_checkpoint(engine, wait=True)
     meta = read_metadata(path)
     same_layout = (
         meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
@@ -273,6 +338,7 @@ def load_checkpoint(engine, path) -> dict:
 
 def export_hf(engine, path, *, overwrite: bool = True) -> dict:
     """Write the engine's weights as an HF safetensors checkpoint (+ config and tokenizer files), atomically."""
+    finish_checkpoint(engine, wait=True)
     target = check_target(path, overwrite)
     staging = shared_staging_dir(target)
     groups = engine.groups

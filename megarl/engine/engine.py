@@ -72,6 +72,7 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self.model = self._wrap_for_training(chunks) if config.optim else chunks
         self.step = 0
+        self.pending_checkpoint = None  # an asynchronous checkpoint still being written (engine.checkpoint)
         self._offloaded = None
 
     # ------------------------------------------------------------------ construction
@@ -278,11 +279,18 @@ class MegatronEngine:
             self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp, ep_group=self.groups.pg.ep
         )
 
-    def save_checkpoint(self, path, *, overwrite: bool = True) -> dict:
-        """Model, optimizer, scheduler, RNG and step, atomically (collective over the world)."""
+    def save_checkpoint(self, path, *, overwrite: bool = True, wait: bool = True) -> dict:
+        """Model, optimizer, scheduler, RNG and step, atomically (collective over the world); `wait=False`:
+        the files are written on a thread and `finish_checkpoint` publishes them."""
         from megarl.engine.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, overwrite=overwrite)
+        return save_checkpoint(self, path, overwrite=overwrite, wait=wait)
+
+    def finish_checkpoint(self, *, wait: bool = True) -> bool:
+        """Publish a checkpoint still being written (collective); False while some rank writes and not `wait`."""
+        from megarl.engine.checkpoint import finish_checkpoint
+
+        return finish_checkpoint(self, wait=wait)
 
     def load_checkpoint(self, path) -> dict:
         """Resume from `save_checkpoint`'s directory, at this engine's layout (any TP/PP/DP/EP)."""

@@ -1,7 +1,9 @@
-"""megatron-core's torch_dist writer, as megarl's synchronous saves use it (conversion, engine checkpoints).
+"""megatron-core's torch_dist writer, as megarl's saves use it (conversion, engine checkpoints, asynchronous ones).
 
-Owns: `save()`, every megarl save's call of `dist_checkpointing.save`; `save_strategy()`, the one
-`TorchDistSaveShardedStrategy` it passes; and these fixes:
+Owns: `save()`, every megarl save's call of `dist_checkpointing.save`, and `save_async()`, the same save
+with this rank's files written on a thread of this process (`PendingSave`: the tensors copied first, the
+request finalized by a collective `finish()`); `save_strategy()`, the one `TorchDistSaveShardedStrategy`
+they pass; and these fixes:
 
 * **A view of a larger tensor is written without a copy.** megatron-core's writer clones every CPU
   tensor whose storage is larger than itself (`torch.save` would write the whole storage): the two
@@ -9,15 +11,16 @@ Owns: `save()`, every megarl save's call of `dist_checkpointing.save`; `save_str
   buffer. `save()` hands it a contiguous view as a tensor of its own storage over the same memory
   instead. The clone's page faults cost this VM 0.3–2.0 s of system time per 475 MiB save (145 MiB of
   copies; `benchmarks/convert_throughput.py`'s model); without them its TP1 save took 0.51–0.54 s against
-  0.59–1.55 s (`/work/scratch/s38/save_ab.py`, 3 alternating rounds). Only for synchronous saves: the
-  writing thread reads the memory the model owns, so nothing may change it until `save()` returns.
+  0.59–1.55 s (`/work/scratch/s38/save_ab.py`, 3 alternating rounds). A synchronous save's writing
+  threads read the memory the model owns, so nothing may change it until `save()` returns; an asynchronous
+  one writes from its copies (`snapshot`).
 
 * **The write-results queue is an in-process `queue.Queue`.** megatron-core makes it, on a process's
   first save, as `multiprocessing.get_context("spawn").Manager().Queue()`: a manager process that imports
   the caller's `__main__` (torch included) before the first save can finish — 2.5 s of a 4 s save of a
   475 MiB model (`benchmarks/convert_throughput.py`), paid by every conversion and by each trainer rank's
-  first checkpoint. A synchronous save writes and reads that queue in this process. Installed only where
-  megatron-core has made none yet.
+  first checkpoint. A save writes and reads that queue in this process; each save gets a fresh one (a
+  save of another engine of the process may still be writing on a thread: `save_async`).
 * **The writer threads run at the same time.** With `thread_count=N` the writer splits a rank's tensors
   into N files; `write_preloaded_data_multithread` (megatron-core 0.19.2) creates a thread for each file
   but the last, writes the last one on the calling thread, and only then starts the threads: the N
@@ -37,9 +40,11 @@ With the last two, `benchmarks/convert_throughput.py`'s TP1 save took 0.72–0.7
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import queue
 import threading
+from typing import Iterable
 
 import torch
 
@@ -54,6 +59,112 @@ def save(sharded_state_dict: dict, directory) -> None:
     """`dist_checkpointing.save` of `sharded_state_dict` (built for this call: its factories are applied
     in place) into `directory`, synchronously, through `save_strategy()`; no contiguous tensor is copied."""
     from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_in_place(sharded_state_dict), str(directory), sharded_strategy=save_strategy())
+
+
+def save_async(sharded_state_dict: dict, directory, live: Iterable[torch.Tensor] = ()) -> "PendingSave":
+    """`save`, with this rank's files written on a thread: returns once the save is planned (collective) and
+    its tensors are copied where the caller could change them (`snapshot`; `live`: the tensors the caller goes
+    on changing, its model's and optimizer's). `PendingSave.finish()` (collective) completes it."""
+    from megatron.core import dist_checkpointing
+
+    request = dist_checkpointing.save(
+        _in_place(sharded_state_dict),
+        str(directory),
+        sharded_strategy=save_strategy(),
+        async_sharded_save=True,
+        async_strategy="mcore",  # megatron-core's own request; megarl runs it (NVRx's is an extra package)
+    )
+    return PendingSave(request, live)
+
+
+class PendingSave:
+    """A rank's share of an asynchronous torch_dist save: its files being written by a thread of this process.
+
+    megatron-core's `AsyncRequest` is run the way `AsyncRequest.execute_sync` runs it, but its write on a
+    thread: `written()` says whether this rank's files are on disk; `finish()`, called by every rank of the
+    save at the same point, waits for them and runs the request's finalization (the write results gathered,
+    `.metadata` and `metadata.json` written by rank 0; a failed write on any rank raises on every rank).
+    """
+
+    def __init__(self, request, live: Iterable[torch.Tensor] = ()):
+        self.request = request
+        args = list(request.async_fn_args)
+        if request.async_fn is not None:
+            args[1] = snapshot(args[1], live)  # the write buckets: from here on the caller may change `live`
+        self.thread = threading.Thread(target=self._write, args=(args,), name="megarl-checkpoint", daemon=True)
+        self.thread.start()
+
+    def _write(self, args) -> None:
+        if self.request.async_fn is None:
+            return
+        try:
+            self.request.async_fn(*args, **self.request.async_fn_kwargs)
+        except Exception as err:  # noqa: BLE001 — reported by `finish` on every rank, as a failed file write is
+            args[2].put(err)
+
+    def written(self) -> bool:
+        return not self.thread.is_alive()
+
+    def finish(self) -> None:
+        self.thread.join()
+        for finalize in self.request.finalize_fns:
+            finalize()
+
+
+def snapshot(write_buckets: list, live: Iterable[torch.Tensor] = ()) -> list:
+    """megatron-core's write buckets with every tensor the caller may change copied: a CUDA tensor to host
+    memory (megatron-core's `preload_tensors`: non-blocking, then one synchronize), a CPU tensor that shares
+    memory with one of `live` cloned (megatron-core's own asynchronous writer is a forked process, whose
+    memory is its snapshot; a thread has none). CPU tensors the save built for itself (a distributed
+    optimizer's state gathered into new buffers: most of a checkpoint) are written as they are."""
+    spans = _memory_spans(live)
+    copied, on_gpu = [], False
+    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+        tensors = []
+        for item, tensor in tensor_data:
+            if tensor.device.type == "cuda":
+                on_gpu, tensor = True, tensor.to("cpu", non_blocking=True)
+            elif _overlaps(tensor, spans):
+                tensor = tensor.clone()
+            tensors.append((item, tensor))
+        copied.append((file_name, storage_key, (bytes_data, tensors)))
+    if on_gpu:
+        torch.cuda.synchronize()
+    return copied
+
+
+def _memory_spans(tensors: Iterable[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The host memory of `tensors`' storages as sorted, merged [start, end) spans: (starts, ends)."""
+    spans = sorted(
+        (s.data_ptr(), s.data_ptr() + s.nbytes())
+        for s in (t.untyped_storage() for t in tensors if t.device.type == "cpu")
+        if s.nbytes()
+    )
+    starts, ends = [], []
+    for start, end in spans:
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            starts.append(start)
+            ends.append(end)
+    return starts, ends
+
+
+def _overlaps(tensor: torch.Tensor, spans: tuple[list[int], list[int]]) -> bool:
+    starts, ends = spans
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return False
+    first, last = tensor.data_ptr(), tensor.data_ptr() + nbytes
+    i = bisect.bisect_right(starts, last - 1) - 1  # the last span starting before this tensor ends
+    return i >= 0 and ends[i] > first
+
+
+def _in_place(sharded_state_dict: dict) -> dict:
+    """`sharded_state_dict` with its factories applied and every contiguous CPU view as a tensor of its own
+    storage (`own_storage`), in place."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -64,7 +175,7 @@ def save(sharded_state_dict: dict, directory) -> None:
 
     apply_factories(sharded_state_dict)
     dict_list_map_inplace(write_in_place, sharded_state_dict)
-    dist_checkpointing.save(sharded_state_dict, str(directory), sharded_strategy=save_strategy())
+    return sharded_state_dict
 
 
 @contextlib.contextmanager
@@ -96,8 +207,7 @@ def save_strategy(thread_count: int = WRITER_THREADS):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    filesystem_async._results_queue = queue.Queue()  # this save's own: one may be written on a thread meanwhile
     _install_parallel_writers(filesystem_async.FileSystemWriterAsync)
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=thread_count)
 

@@ -178,9 +178,15 @@ class EngineRole:
             yield
 
     @remote(ALL)
-    def save_checkpoint(self, path: str) -> dict:
-        """Model, optimizer, scheduler, RNG and step to `path` (collective over the world)."""
-        return self.engine.save_checkpoint(path, overwrite=True)
+    def save_checkpoint(self, path: str, wait: bool = True) -> dict:
+        """Model, optimizer, scheduler, RNG and step to `path` (collective over the world); `wait=False`
+        returns once the state is copied and `finish_checkpoint` publishes it after its files are written."""
+        return self.engine.save_checkpoint(path, overwrite=True, wait=wait)
+
+    @remote(ALL)
+    def finish_checkpoint(self, wait: bool = True) -> bool:
+        """Publish the checkpoint still being written, if any (collective): True once none is in flight."""
+        return self.engine.finish_checkpoint(wait=wait)
 
     @remote(ALL)
     def load_checkpoint(self, path: str) -> dict:

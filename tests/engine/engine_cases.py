@@ -339,3 +339,70 @@ def on_policy_rank(hf):
         deltas = {name: after - before[name] for name, after in engine.hf_weights()}
         results["recomputed" if recomputed else "own"] = (metrics, deltas)
     return results
+
+
+def async_checkpoint_rank(hf, root):
+    """An asynchronous save while training goes on: nothing is published before `finish_checkpoint`, and the
+    checkpoint holds the state at the save (resumed, it trains as a synchronous save of that moment does);
+    a write that fails on one rank fails the finish on every rank and leaves nothing behind."""
+    import threading
+    from pathlib import Path
+
+    from megarl.models import dcp_save
+    from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
+
+    batch = padded_batch()
+    actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
+    _steps(actor, batch, 2)
+    actor.engine.save_checkpoint(f"{root}/sync")  # the same moment, saved synchronously
+    release, write = threading.Event(), dcp_save._write_file
+
+    def held_write(*args):  # the files wait until the test releases them
+        release.wait(120)
+        return write(*args)
+
+    dcp_save._write_file = held_write
+    try:
+        actor.engine.save_checkpoint(f"{root}/async", wait=False)
+        rest = _steps(actor, batch, 2)  # every weight and Adam moment changes while the save is pending
+        published_early = Path(f"{root}/async").exists()
+        finished_while_held = actor.engine.finish_checkpoint(wait=False)
+    finally:
+        release.set()
+        dcp_save._write_file = write
+    finished = actor.engine.finish_checkpoint(wait=True)
+    resumed = {}
+    for name in ("sync", "async"):
+        again = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+        again.engine.load_checkpoint(f"{root}/{name}")
+        resumed[name] = _steps(again, batch, 2)
+
+    def failing_write(transform_list, index, bucket):
+        if torch.distributed.get_rank() == 1:
+            raise OSError("simulated disk error")
+        return write(transform_list, index, bucket)
+
+    dcp_save._write_file = failing_write
+    try:
+        actor.engine.save_checkpoint(f"{root}/failed", wait=False)
+        try:
+            actor.engine.finish_checkpoint(wait=True)
+            failure = ""
+        except Exception as err:  # noqa: BLE001 - the test checks it
+            failure = f"{type(err).__name__}: {err}"
+    finally:
+        dcp_save._write_file = write
+    actor.engine.save_checkpoint(f"{root}/after", wait=False)  # the engine saves again after a failed one
+    actor.engine.finish_checkpoint(wait=True)
+    leftovers = sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".") or p.name == "failed")
+    return {
+        "rest": rest,
+        "resumed": resumed,
+        "published_early": published_early,
+        "finished_while_held": finished_while_held,
+        "finished": finished,
+        "failure": failure,
+        "leftovers": leftovers,
+        "after": Path(f"{root}/after/megarl_checkpoint.json").is_file(),
+    }

@@ -189,3 +189,25 @@ def test_a_checkpoint_written_behind_without_zip_checksums_loads_back(tmp_path):
     (seen,) = run_distributed(_save_written_behind, 1, str(tmp_path), timeout=120)
     assert seen["loaded"] == {f"w{i}": [float(i)] for i in range(TENSORS)}
     assert seen["crc32 while writing"] == {False} and seen["crc32 after"] is True
+
+
+def test_an_asynchronous_saves_snapshot_copies_only_what_shares_memory_with_live_tensors():
+    """`snapshot` clones a CPU tensor of the save that overlaps the caller's live tensors (a parameter, another
+    view into its flat buffer) and keeps what the save built for itself (a gathered optimizer state) as it is."""
+    from megarl.models.dcp_save import snapshot
+
+    flat = torch.arange(100.0)  # a DDP-style flat buffer the caller goes on changing
+    originals = {
+        "param": flat[10:30],
+        "tail": flat[90:],  # not a live tensor itself, but in the live parameter's storage
+        "gathered": torch.arange(50.0),  # built by the save, nobody else holds it
+        "other": torch.arange(200.0)[100:],  # a view into some other storage
+        "empty": torch.empty(0),
+    }
+    buckets = [("f0", "k0", ([("bytes", b"x")], list(originals.items())))]
+    [(name, key, (bytes_data, items))] = snapshot(buckets, live=[originals["param"], torch.empty(0)])
+    assert (name, key, bytes_data) == ("f0", "k0", [("bytes", b"x")])
+    same_memory = {item: t.data_ptr() == originals[item].data_ptr() for item, t in items}
+    assert same_memory == {"param": False, "tail": False, "gathered": True, "other": True, "empty": True}
+    flat.zero_()  # the caller changes its buffer: the snapshot keeps the values of the save
+    assert torch.equal(dict(items)["param"], torch.arange(10.0, 30.0)) and dict(items)["tail"][0] == 90.0
