@@ -61,6 +61,11 @@ class TrainerConfig:
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
     keep_checkpoints: int = 2
     """Checkpoints kept in run_dir (oldest deleted first); 0 keeps all."""
+    checkpoint_async: bool = False
+    """Write checkpoints while training goes on: a save copies the state (GPU: to host memory, which then
+    holds a copy of every rank's share until it is written) and the next steps run while the files are
+    written; the checkpoint counts once written (checked as each step starts training). A run stopped
+    meanwhile continues from the one before."""
     export_hf_at_end: bool = True
     """Write the final actor as a HuggingFace checkpoint to run_dir/hf."""
     log_every_steps: int = 1

@@ -10,7 +10,8 @@ generates greedy baselines, for ReMax). Colocated engines sleep through the trai
 Rewards scored off the driver's thread (the reward pool, or a batch-level reward fn) are scored
 while the log-prob phases run (`overlaps_rewards`). Validation (greedy by default, or its own
 sampling) runs before the first step and every `validation.every_steps`; `trainer.val_only` only
-validates. Checkpoints every `trainer.checkpoint_every_steps` and at the end; `trainer.resume=auto`
+validates. Checkpoints every `trainer.checkpoint_every_steps` and at the end (`trainer.checkpoint_async`:
+written while the next step runs, counted from its training phases on); `trainer.resume=auto`
 continues from the latest complete checkpoint. `train_step` = `rollout` + `learn` (the training
 phases, which the asynchronous driver, `megarl.trainer.async_loop`, reuses on batches from its buffer).
 """
@@ -80,6 +81,7 @@ class RLTrainer:
         self.reward_thread = ThreadPoolExecutor(1, "megarl-reward") if self.overlaps_rewards() else None
         self.step = 0
         self.resumed_state: Optional[state.DriverState] = None
+        self.pending_checkpoint: Optional[tuple[Path, state.DriverState]] = None  # (directory, its driver state)
 
     # ------------------------------------------------------------------ the loop
 
@@ -139,6 +141,7 @@ class RLTrainer:
         """The training phases of a step on its samples (also the async driver's): the step's metrics.
         `scoring`: the future of rewards still being scored (`overlaps_rewards`), joined after the log-probs."""
         cluster = self.cluster
+        self.complete_checkpoint(wait=False)  # an asynchronous checkpoint written since the last step counts now
         on_policy = self.skips_old_log_probs(step, batch)
         with cluster.rollout.asleep(timer):  # colocated engines free their memory
             if not on_policy:
@@ -366,11 +369,31 @@ class RLTrainer:
             self.log.dump_rollouts(step, rollout_records(batch))
 
     def save_checkpoint(self, step: int) -> None:
-        """Every trainable role's engine checkpoint, then the driver state (which marks it complete)."""
+        """Every trainable role's engine checkpoint, then the driver state (which marks it complete).
+        With `trainer.checkpoint_async` the engines' files are still being written when this returns:
+        `complete_checkpoint` writes the driver state once they are."""
+        self.complete_checkpoint(wait=True)  # one checkpoint in flight at a time
         directory = state.step_dir(self.cfg.trainer.run_dir, step)
+        wait = not self.cfg.trainer.checkpoint_async
         for name, role in self.cluster.trainable_roles().items():
-            role.save_checkpoint(str(directory / name))
-        state.save_driver_state(directory, self.driver_state(step))
+            role.save_checkpoint(str(directory / name), wait)
+        self.pending_checkpoint = (directory, self.driver_state(step))
+        if wait:
+            self._checkpoint_written()
+
+    def complete_checkpoint(self, wait: bool) -> None:
+        """Count the checkpoint being written, if any, once every role has published its engines' part
+        (`wait`: wait until they have)."""
+        if self.pending_checkpoint is not None:
+            finished = [role.finish_checkpoint(wait) for role in self.cluster.trainable_roles().values()]
+            if all(finished):
+                self._checkpoint_written()
+
+    def _checkpoint_written(self) -> None:
+        """The engines' part of the pending checkpoint is published: its driver state, then older ones pruned."""
+        directory, driver_state = self.pending_checkpoint
+        self.pending_checkpoint = None
+        state.save_driver_state(directory, driver_state)
         state.prune_checkpoints(self.cfg.trainer.run_dir, self.cfg.trainer.keep_checkpoints)
 
     def driver_state(self, step: int) -> state.DriverState:
@@ -398,7 +421,9 @@ class RLTrainer:
         return saved.step
 
     def finish(self) -> None:
-        """Final HF export and the reward plot."""
+        """The last checkpoint completed, the final HF export and the reward plot."""
+        with self.parts("checkpoints"):
+            self.complete_checkpoint(wait=True)
         if self.cfg.trainer.export_hf_at_end:
             with self.parts("export"):
                 self.cluster.actor.export_hf(str(Path(self.cfg.trainer.run_dir) / "hf"))

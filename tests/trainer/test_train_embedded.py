@@ -2,10 +2,12 @@
 
 ReMax: the advantage estimator declares it needs the greedy baseline, so the loop generates each
 prompt's greedy response and scores it; every sample's advantage is its score minus that baseline.
+Asynchronous checkpoints: complete once written, and a resume from one equals the uninterrupted run.
 """
 
 import json
 
+import pytest
 import torch
 from train_helpers import HERE, overrides, run_train
 
@@ -100,3 +102,45 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
     assert after[: len(rows)] == rows and len(after) == len(rows) + 1  # appended, nothing trained or dropped
     assert after[-1]["step"] == 2 and "val/acc" in after[-1] and not any("reward/score/mean" in r for r in after[-1:])
     assert "resumed from" in out
+
+
+def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equals_the_uninterrupted_run(
+    tiny_task, tmp_path
+):
+    """trainer.checkpoint_async=true: every step's checkpoint is complete (driver state and manifest) once the
+    run ends, older ones pruned as usual; a run stopped after 2 steps and continued to 3 from its last
+    asynchronous checkpoint gives step 3 the metrics of a run that went straight to 3."""
+    from megarl.trainer import state
+
+    def run(name: str, steps: int):
+        args = overrides(
+            tiny_task,
+            tmp_path / name,
+            "rollout.engine=embedded",
+            "trainer.checkpoint_async=true",
+            f"trainer.total_steps={steps}",
+            "trainer.checkpoint_every_steps=1",
+            "trainer.keep_checkpoints=2",
+            "trainer.export_hf_at_end=false",
+            "validation.before_train=false",
+            "validation.every_steps=0",
+        )
+        code, out, _ = run_train("grpo_quickstart.yaml", args)
+        assert code == 0, out[-4000:]
+        return out
+
+    run("straight", 3)
+    run("resumed", 2)
+    out = run("resumed", 3)
+    assert "resumed from" in out and "(step 2)" in out
+    for name in ("straight", "resumed"):
+        kept = state.complete_checkpoints(tmp_path / name)
+        assert [step for step, _ in kept] == [2, 3]
+        assert all(state.checkpoint_problem(path) is None for _, path in kept)
+    straight, resumed = (
+        [m for m in read_metrics(tmp_path / name / "metrics.jsonl") if "reward/score/mean" in m]
+        for name in ("straight", "resumed")
+    )
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    compared = {k: v for k, v in straight[2].items() if not k.startswith(("time/", "perf/"))}
+    assert {k: resumed[2][k] for k in compared} == pytest.approx(compared, rel=1e-5, abs=1e-6)
