@@ -6,17 +6,18 @@ synchronous, in the same run.
     python benchmarks/checkpoint_async.py --hidden 1024 --layers 8 --steps 3 --rounds 3
 
 Two gloo ranks hold a DP2 (or `--tp 2`: TP2) actor (megatron-core GPTModel, distributed Adam) and, per
-round, alternately:
+round, save it four ways, each followed by `--steps` actor updates and `finish_checkpoint()`:
 
-  * synchronous — `save_checkpoint(path)`, then `--steps` actor updates;
-  * asynchronous — `save_checkpoint(path, wait=False)` (the state copied, the files written on a thread),
-    the same updates meanwhile, then `finish_checkpoint()` (waits for the files if they are not yet written,
-    publishes).
+  * synchronous — `save_checkpoint(path)`, megarl's default (the baseline);
+  * asynchronous — `save_checkpoint(path, wait=False)` (`trainer.checkpoint_async`: the state copied where
+    training would change it, the files written on a thread while the updates run; `finish_checkpoint`
+    waits for them if they are not yet written, and publishes);
+  * the same two with `reshardable=False` (`trainer.checkpoint_reshardable=false`: the distributed
+    optimizer's state as each rank holds it, instead of gathered over the DP ranks).
 
-Prints, as medians over the rounds: the seconds the save held training up (synchronous: the whole save;
-asynchronous: the copy, and separately the wait at `finish_checkpoint`), an update's seconds alone and while
-the files are written, and the ratios asynchronous / synchronous of the time held up and of the whole
-sequence (save + updates + finish). Each checkpoint written is loaded back into a fresh actor and must give
+Prints, as medians over the rounds: the seconds each save held training up (the save call, and the wait at
+`finish_checkpoint`), an update's seconds alone and after each save, and the ratio of each case to the
+baseline, of the time held up and of the whole sequence (save + updates + finish). Each checkpoint written is loaded back into a fresh actor and must give
 the saved weights exactly.
 """
 
@@ -58,16 +59,20 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def round_sync(actor, batch, path: str, steps: int) -> dict:
-    saved = weights(actor)
-    held = timed(lambda: actor.engine.save_checkpoint(path))
-    updates = [timed(lambda: actor.update(batch)) for _ in range(steps)]
-    return {"held": held, "finish_wait": 0.0, "updates": updates, "total": held + sum(updates), "saved": saved}
+MODES = {
+    "synchronous": {"wait": True, "reshardable": True},
+    "asynchronous": {"wait": False, "reshardable": True},
+    "synchronous, DP-sharded": {"wait": True, "reshardable": False},
+    "asynchronous, DP-sharded": {"wait": False, "reshardable": False},
+}
+"""The save of each case: megarl's default first (the baseline), then `trainer.checkpoint_async` and
+`trainer.checkpoint_reshardable=false`, alone and together."""
 
 
-def round_async(actor, batch, path: str, steps: int) -> dict:
+def one_round(actor, batch, path: str, steps: int, wait: bool, reshardable: bool) -> dict:
+    """Save, `steps` updates, finish: the seconds each part held training up."""
     saved = weights(actor)
-    held = timed(lambda: actor.engine.save_checkpoint(path, wait=False))
+    held = timed(lambda: actor.engine.save_checkpoint(path, wait=wait, reshardable=reshardable))
     updates = [timed(lambda: actor.update(batch)) for _ in range(steps)]
     finish_wait = timed(lambda: actor.engine.finish_checkpoint(wait=True))
     total = held + sum(updates) + finish_wait
@@ -80,12 +85,12 @@ def bench_rank(hf_path: str, root: str, batch, args) -> dict:
     actor = actor_on_rank(hf_path, args.tp)
     actor.update(batch)  # warm-up (optimizer state exists from here on)
     alone = [timed(lambda: actor.update(batch)) for _ in range(args.steps)]
-    results: dict[str, list] = {"synchronous": [], "asynchronous": []}
+    results: dict[str, list] = {mode: [] for mode in MODES}
     size = 0
     for i in range(args.rounds):
-        for mode, run in (("synchronous", round_sync), ("asynchronous", round_async)):
-            path = f"{root}/{mode}_{i}"
-            results[mode].append(run(actor, batch, path, args.steps))
+        for mode, save in MODES.items():
+            path = f"{root}/round{i}_{mode.replace(', ', '_')}"
+            results[mode].append(one_round(actor, batch, path, args.steps, **save))
             check_loads(hf_path, args.tp, path, results[mode][-1].pop("saved"))
             dist.barrier()
             if dist.get_rank() == 0:
@@ -116,19 +121,24 @@ def report(result: dict) -> dict:
     median = statistics.median
     print(f"checkpoint: {result['bytes'] / 2**20:.0f} MiB per save (every rank's files)")
     print(f"update alone: {median(result['alone']):.2f} s")
-    for mode in ("synchronous", "asynchronous"):
+    held, total = {}, {}
+    for mode in MODES:
         rows = result[mode]
+        held[mode] = median(r["held"] + r["finish_wait"] for r in rows)
+        total[mode] = median(r["total"] for r in rows)
         during = median(u for r in rows for u in r["updates"])
         print(
-            f"{mode:12s} held training up {median(r['held'] for r in rows):6.2f} s"
-            f" (+ {median(r['finish_wait'] for r in rows):.2f} s waiting at finish), an update {during:.2f} s,"
-            f" save + updates + finish {median(r['total'] for r in rows):6.2f} s"
+            f"{mode:25s} held training up {held[mode]:6.2f} s (the save {median(r['held'] for r in rows):.2f},"
+            f" waiting at finish {median(r['finish_wait'] for r in rows):.2f}), an update {during:.2f} s,"
+            f" save + updates + finish {total[mode]:6.2f} s"
         )
-    held = {m: median(r["held"] + r["finish_wait"] for r in result[m]) for m in ("synchronous", "asynchronous")}
-    total = {m: median(r["total"] for r in result[m]) for m in ("synchronous", "asynchronous")}
-    ratios = {"held": held["asynchronous"] / held["synchronous"], "total": total["asynchronous"] / total["synchronous"]}
-    print(f"ratio asynchronous / synchronous: time training was held up {ratios['held']:.2f}x,")
-    print(f"                                  save + updates + finish {ratios['total']:.2f}x")
+    base = "synchronous"
+    ratios = {mode: held[mode] / held[base] for mode in MODES if mode != base}
+    for mode, ratio in ratios.items():
+        print(
+            f"ratio {mode} / {base}: time training was held up {ratio:.2f}x, save + updates + finish"
+            f" {total[mode] / total[base]:.2f}x"
+        )
     return ratios
 
 

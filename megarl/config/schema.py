@@ -66,6 +66,10 @@ class TrainerConfig:
     holds a copy of every rank's share until it is written) and the next steps run while the files are
     written; the checkpoint counts once written (checked as each step starts training). A run stopped
     meanwhile continues from the one before."""
+    checkpoint_reshardable: bool = True
+    """Save the optimizer state so that any TP/PP/EP/DP layout can resume from it (megatron-core gathers it
+    over the DP ranks at every save); false: each rank writes its own shard as it holds it, with no
+    communication (several times faster, less host memory), and a resume may change the DP size only."""
     export_hf_at_end: bool = True
     """Write the final actor as a HuggingFace checkpoint to run_dir/hf."""
     log_every_steps: int = 1

@@ -279,12 +279,13 @@ class MegatronEngine:
             self.chunks, pp_rank=self.groups.pp_rank, tp_group=self.groups.pg.tp, ep_group=self.groups.pg.ep
         )
 
-    def save_checkpoint(self, path, *, overwrite: bool = True, wait: bool = True) -> dict:
+    def save_checkpoint(self, path, *, overwrite: bool = True, wait: bool = True, reshardable: bool = True) -> dict:
         """Model, optimizer, scheduler, RNG and step, atomically (collective over the world); `wait=False`:
-        the files are written on a thread and `finish_checkpoint` publishes them."""
+        the files are written on a thread and `finish_checkpoint` publishes them; `reshardable=False`: the
+        optimizer state as each DP rank holds it (fast; loads at the same TP/PP/VPP/CP/EP only)."""
         from megarl.engine.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, overwrite=overwrite, wait=wait)
+        return save_checkpoint(self, path, overwrite=overwrite, wait=wait, reshardable=reshardable)
 
     def finish_checkpoint(self, *, wait: bool = True) -> bool:
         """Publish a checkpoint still being written (collective); False while some rank writes and not `wait`."""

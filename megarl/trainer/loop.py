@@ -373,10 +373,10 @@ class RLTrainer:
         With `trainer.checkpoint_async` the engines' files are still being written when this returns:
         `complete_checkpoint` writes the driver state once they are."""
         self.complete_checkpoint(wait=True)  # one checkpoint in flight at a time
-        directory = state.step_dir(self.cfg.trainer.run_dir, step)
-        wait = not self.cfg.trainer.checkpoint_async
+        tr = self.cfg.trainer
+        directory, wait = state.step_dir(tr.run_dir, step), not tr.checkpoint_async
         for name, role in self.cluster.trainable_roles().items():
-            role.save_checkpoint(str(directory / name), wait)
+            role.save_checkpoint(str(directory / name), wait, tr.checkpoint_reshardable)
         self.pending_checkpoint = (directory, self.driver_state(step))
         if wait:
             self._checkpoint_written()

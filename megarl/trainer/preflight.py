@@ -9,7 +9,8 @@ and the fix) when
   holds (truncated);
 * `resources.accelerator=gpu` on a local run where torch sees fewer GPUs than a node needs;
 * `trainer.resume` cannot be honoured (`megarl.trainer.state.plan_resume`: an incomplete or damaged
-  explicit checkpoint, named with the one to use instead), or its step is past `trainer.total_steps`;
+  explicit checkpoint, named with the one to use instead), or its step is past `trainer.total_steps`,
+  or a role checkpoint of it was saved with DP-sharded optimizer state at another TP/PP/VPP/CP/EP;
 * a `data_source` of the training or validation data maps to no reward function.
 
 A damaged latest checkpoint under resume=auto is not an error here: the loop reports it and resumes
@@ -161,7 +162,30 @@ def check_resume(cfg) -> ResumePlan:
             f" is at step {plan.step}; raise trainer.total_steps to train further, or start a new run"
             " (another trainer.run_dir, or trainer.resume=never)"
         )
+    if plan.directory is not None:
+        check_resume_layouts(cfg, plan.directory)
     return plan
+
+
+def check_resume_layouts(cfg, directory: Path) -> None:
+    """A role checkpoint whose optimizer state was saved DP-sharded resumes only at its TP/PP/VPP/CP/EP."""
+    from dataclasses import asdict
+
+    from megarl.engine.checkpoint import fixed_layout_changes
+    from megarl.models.convert import MARKER
+
+    for role in ("actor", "critic"):
+        marker, role_cfg = Path(directory) / role / MARKER, getattr(cfg, role, None)
+        if role_cfg is None or not marker.is_file():
+            continue
+        changes = fixed_layout_changes(json.loads(marker.read_text()), asdict(role_cfg.layout))
+        if changes:
+            raise ConfigError(
+                f"{role}.layout: the checkpoint to resume from, {marker.parent}, holds the optimizer state"
+                f" DP-sharded (saved with trainer.checkpoint_reshardable=false), which loads only at the"
+                f" TP/PP/VPP/CP/EP it was saved at; this run changes {', '.join(changes)}: resume at that"
+                f" layout (any DP size), then save with trainer.checkpoint_reshardable=true to change it"
+            )
 
 
 def check_data_sources(cfg, data) -> None:

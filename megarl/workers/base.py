@@ -178,10 +178,11 @@ class EngineRole:
             yield
 
     @remote(ALL)
-    def save_checkpoint(self, path: str, wait: bool = True) -> dict:
+    def save_checkpoint(self, path: str, wait: bool = True, reshardable: bool = True) -> dict:
         """Model, optimizer, scheduler, RNG and step to `path` (collective over the world); `wait=False`
-        returns once the state is copied and `finish_checkpoint` publishes it after its files are written."""
-        return self.engine.save_checkpoint(path, overwrite=True, wait=wait)
+        returns once the state is copied and `finish_checkpoint` publishes it after its files are written;
+        `reshardable=False` keeps the optimizer state DP-sharded (fast; same TP/PP/VPP/CP/EP to load)."""
+        return self.engine.save_checkpoint(path, overwrite=True, wait=wait, reshardable=reshardable)
 
     @remote(ALL)
     def finish_checkpoint(self, wait: bool = True) -> bool:

@@ -248,7 +248,7 @@ def checkpoint_rank(hf, root, save_at, total):
     except Exception as err:  # noqa: BLE001 - the test checks the message
         changed_error = f"{type(err).__name__}: {err}"
 
-    def broken_meta(engine):
+    def broken_meta(*args):
         raise RuntimeError("simulated crash during save")
 
     checkpoint._meta, real_meta = broken_meta, checkpoint._meta
@@ -405,4 +405,36 @@ def async_checkpoint_rank(hf, root):
         "failure": failure,
         "leftovers": leftovers,
         "after": Path(f"{root}/after/megarl_checkpoint.json").is_file(),
+    }
+
+
+def dp_sharded_checkpoint_rank(hf, root):
+    """`reshardable=False` (the optimizer state as each rank holds it, saved asynchronously here): a resume at
+    the same layout continues bit for bit; another TP/PP is refused before anything is loaded."""
+    from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
+
+    batch, ckpt = padded_batch(), f"{root}/dp_sharded"
+    actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
+    _steps(actor, batch, 2)
+    meta = actor.engine.save_checkpoint(ckpt, wait=False, reshardable=False)
+    rest = _steps(actor, batch, 2)
+    actor.engine.finish_checkpoint()
+    resumed = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    resumed.engine.load_checkpoint(ckpt)
+    again = _steps(resumed, batch, 2)
+    other = Actor(build(hf, ParallelLayout(pp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    before = _weights(other.engine)
+    try:
+        other.engine.load_checkpoint(ckpt)
+        refused = ""
+    except Exception as err:  # noqa: BLE001 - the test checks the message
+        refused = f"{type(err).__name__}: {err}"
+    untouched = all(torch.equal(t, before[n]) for n, t in other.engine.hf_weights())
+    return {
+        "format": meta["optimizer_format"],
+        "rest": rest,
+        "again": again,
+        "refused": refused,
+        "untouched": untouched,
     }

@@ -63,3 +63,13 @@ def test_an_asynchronous_save_holds_the_state_at_the_save_while_training_goes_on
     assert all(torch.equal(exported["async"][k], exported["sync"][k]) for k in exported["sync"])
     assert "simulated disk error" in result["failure"]
     assert result["leftovers"] == [] and result["after"]
+
+
+def test_a_dp_sharded_optimizer_checkpoint_resumes_bit_exact_and_refuses_another_tp_pp(tmp_path):
+    hf = tmp_path / "llama"
+    save_tiny_hf_model("llama", hf, seed=4)
+    result = run_distributed(C.dp_sharded_checkpoint_rank, 2, str(hf), str(tmp_path), timeout=300)[0]
+    assert result["format"] == "dp_reshardable"
+    assert result["again"] == result["rest"]  # loss, grad norm and lr of steps 3 and 4, bit for bit
+    assert result["refused"].startswith("CheckpointError: ") and "tp 2 -> 1, pp 1 -> 2" in result["refused"]
+    assert "load it at that layout (any DP size)" in result["refused"] and result["untouched"]

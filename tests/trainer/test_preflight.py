@@ -72,6 +72,13 @@ def resume_empty_driver_state(task, tmp):
     return train_args(task, run, f"trainer.resume={state.step_dir(run, 2)}")
 
 
+def resume_dp_sharded_at_another_layout(task, tmp):
+    run = previous_run(tmp / "run")
+    meta = {"layout": {"tp": 2, "pp": 1, "vpp": 1, "cp": 1, "ep": 1}, "optimizer_format": "dp_reshardable"}
+    (state.step_dir(run, 2) / "actor/megarl_checkpoint.json").write_text(json.dumps(meta))
+    return train_args(task, run)  # the quickstart's actor: TP1 (DP2)
+
+
 def resume_past_total_steps(task, tmp):
     return train_args(task, previous_run(tmp / "run", steps=(4, 5)), "trainer.total_steps=3")
 
@@ -158,6 +165,13 @@ BAD_INPUTS = [
         resume_past_total_steps,
         "train: error: trainer.total_steps=3 but the checkpoint to resume from, {tmp}/run/checkpoints/step_000005,"
         " is at step 5; raise trainer.total_steps",
+    ),
+    (
+        "resume-dp-sharded-optimizer-at-another-layout",
+        resume_dp_sharded_at_another_layout,
+        "train: error: actor.layout: the checkpoint to resume from, {tmp}/run/checkpoints/step_000002/actor, holds"
+        " the optimizer state DP-sharded (saved with trainer.checkpoint_reshardable=false), which loads only at"
+        " the TP/PP/VPP/CP/EP it was saved at; this run changes tp 2 -> 1: resume at that layout",
     ),
     (
         "unknown-data-source",

@@ -107,7 +107,7 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
 def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equals_the_uninterrupted_run(
     tiny_task, tmp_path
 ):
-    """trainer.checkpoint_async=true: every step's checkpoint is complete (driver state and manifest) once the
+    """trainer.checkpoint_async=true (with the DP-sharded optimizer format): every step's checkpoint is complete (driver state and manifest) once the
     run ends, older ones pruned as usual; a run stopped after 2 steps and continued to 3 from its last
     asynchronous checkpoint gives step 3 the metrics of a run that went straight to 3."""
     from megarl.trainer import state
@@ -118,6 +118,7 @@ def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equal
             tmp_path / name,
             "rollout.engine=embedded",
             "trainer.checkpoint_async=true",
+            "trainer.checkpoint_reshardable=false",  # the optimizer state DP-sharded: the fast format
             f"trainer.total_steps={steps}",
             "trainer.checkpoint_every_steps=1",
             "trainer.keep_checkpoints=2",
