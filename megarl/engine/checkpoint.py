@@ -3,7 +3,8 @@
 Owns: `save_checkpoint` (optionally asynchronous, completed by `finish_checkpoint`), `load_checkpoint`
 and `export_hf`. Checkpoints go through megatron-core
 `dist_checkpointing` (torch_dist): the model's sharded state dict plus the distributed optimizer's
-`fully_reshardable` state, so a checkpoint written at one TP/PP/DP/EP layout loads at another.
+`fully_reshardable` state, so a checkpoint written at one TP/PP/DP/EP layout loads at another (or, with
+`reshardable=False`, its `dp_reshardable` state: at another DP size only).
 The RNG states are per rank and are restored only when the layout and world size are unchanged
 (a different layout has different ranks; the RNG matters only for dropout, which is 0 here).
 
@@ -146,7 +147,7 @@ def _distributed_optimizers(optimizer) -> list:
 
 @contextlib.contextmanager
 def _torch_adam_step_fix(optimizer):
-    """Work around megatron-core 0.19.2 loading 'fully_reshardable' state into torch's Adam.
+    """Work around megatron-core 0.19.2 loading distributed-optimizer state into torch's Adam (both formats).
 
     `_set_main_param_and_optimizer_states` copies every tensor of the parameter's Adam state,
     including torch Adam's per-parameter `step`, from a source that (by design) has no `step`
@@ -274,19 +275,23 @@ def save_checkpoint(engine, path, *, overwrite: bool = True, wait: bool = True, 
     staging = shared_staging_dir(target)
     optimizer_format = RESHARDABLE if reshardable else DP_SHARDED
     with _removed_on_error(staging):
-        state = _full_state(engine, loading=False, with_rng=True, optimizer_format=optimizer_format)
-        if wait:
-            dcp_save.save(state, staging)
-        else:
-            pending = dcp_save.save_async(state, staging, live=engine._state_tensors())
         if dist.get_rank() == 0:
             copy_hf_side_files(Path(engine.hf_path), staging / "hf")
         meta = _meta(engine, optimizer_format)
+        state = _full_state(engine, loading=False, with_rng=True, optimizer_format=optimizer_format)
         if wait:
+            dcp_save.save(state, staging)
             publish_collective(staging, target, MARKER, meta)
-        else:
+        else:  # nothing after this may fail on one rank alone: the others would wait for it at the finish
+            pending = dcp_save.save_async(state, staging, live=_live_tensors(engine))
             engine.pending_checkpoint = PendingCheckpoint(pending, staging, target, meta)
         return meta
+
+
+def _live_tensors(engine) -> list:
+    """What training changes in place: parameters, gradients, DDP's flat buffers, the optimizer's state, and
+    the models' own buffers (`torch.nn.Module.buffers`: DDP's `buffers` attribute shadows the method)."""
+    return [*engine._state_tensors(), *(b for chunk in engine.chunks for b in torch.nn.Module.buffers(chunk))]
 
 
 @dataclasses.dataclass
@@ -342,14 +347,16 @@ def _removed_on_error(staging: Path):
 
 
 def load_checkpoint(engine, path) -> dict:
-    """Restore a checkpoint written by `save_checkpoint`, at this engine's layout (any TP/PP/DP/EP)."""
+    """Restore a checkpoint written by `save_checkpoint`, at this engine's layout (any TP/PP/DP/EP; a
+    DP-sharded optimizer state: any DP with the saved TP/PP/VPP/CP/EP, refused otherwise before loading)."""
     from megatron.core import dist_checkpointing
 
     from megarl.models.convert import load_model_state
 
     finish_checkpoint(engine, wait=True)
     meta = read_metadata(path)
-    check_optimizer_layout(meta, dataclasses.asdict(engine.config.layout), str(path))
+    if engine.optimizer is not None:
+        check_optimizer_layout(meta, dataclasses.asdict(engine.config.layout), str(path))
     same_layout = (
         meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
     )

@@ -294,7 +294,8 @@ class MegatronEngine:
         return finish_checkpoint(self, wait=wait)
 
     def load_checkpoint(self, path) -> dict:
-        """Resume from `save_checkpoint`'s directory, at this engine's layout (any TP/PP/DP/EP)."""
+        """Resume from `save_checkpoint`'s directory, at this engine's layout (any TP/PP/DP/EP; one saved with
+        `reshardable=False`: the same TP/PP/VPP/CP/EP, any DP)."""
         from megarl.engine.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)

@@ -48,6 +48,7 @@ from typing import Iterable
 
 import torch
 
+from megarl.utils.faults import hold
 from megarl.utils.write_behind import WriteBehindFile
 
 CHECKED_MCORE_VERSIONS = ("0.19.2",)
@@ -99,6 +100,7 @@ class PendingSave:
     def _write(self, args) -> None:
         if self.request.async_fn is None:
             return
+        hold("checkpoint.write")  # fault injection: an asynchronous checkpoint being written
         try:
             self.request.async_fn(*args, **self.request.async_fn_kwargs)
         except Exception as err:  # noqa: BLE001 — reported by `finish` on every rank, as a failed file write is
@@ -154,10 +156,10 @@ def _memory_spans(tensors: Iterable[torch.Tensor]) -> tuple[list[int], list[int]
 
 def _overlaps(tensor: torch.Tensor, spans: tuple[list[int], list[int]]) -> bool:
     starts, ends = spans
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
+    if tensor.numel() == 0:
         return False
-    first, last = tensor.data_ptr(), tensor.data_ptr() + nbytes
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))  # elements
+    first, last = tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
     i = bisect.bisect_right(starts, last - 1) - 1  # the last span starting before this tensor ends
     return i >= 0 and ends[i] > first
 
@@ -202,8 +204,8 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def save_strategy(thread_count: int = WRITER_THREADS):
-    """megatron-core's torch_dist writer for a synchronous save (`dist_checkpointing.save` without
-    `async_sharded_save`): `thread_count` files per rank, written at the same time."""
+    """megatron-core's torch_dist writer for megarl's saves (`save`, and `save_async`'s request): `thread_count`
+    files per rank, written at the same time."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -264,7 +266,10 @@ def _write_buckets_in_parallel(transform_list, use_msc, rank, write_buckets, glo
         except Exception as err:  # write_preloaded_data returns its own errors; anything else lands here
             outputs.append((index, err))
 
-    with _disable_gc():  # as megatron-core's writer: a collection during the writes can break shared CUDA tensors
+    # as megatron-core's writer (a collection during the writes can break shared CUDA tensors of its forked
+    # writer process); not on an asynchronous save's thread, where it would stop the training thread's GC too
+    no_gc = _disable_gc() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+    with no_gc:
         threads = [threading.Thread(target=write_file, args=item) for item in enumerate(write_buckets[:-1])]
         for thread in threads:
             thread.start()

@@ -8,8 +8,9 @@ and sleeps until the harness kills the run (at most $MEGARL_FAULT_HOLD_S seconds
 
 Points: `checkpoint.driver_state` (engine checkpoints and manifest written, driver state not yet),
 `prune` (old checkpoints renamed, not yet deleted), `metrics.rewrite` (truncated metrics.jsonl
-written to its temp file, not yet renamed over the old one), and in the workers (the variables
-reach them through Ray) `publish.<dir>` (`megarl.utils.atomic.publish_collective`: every rank wrote
+written to its temp file, not yet renamed over the old one), and in the workers (the variables reach them
+through Ray) `checkpoint.write` (an asynchronous checkpoint's writing thread, before it writes this rank's
+files, while training goes on), `publish.<dir>` (`megarl.utils.atomic.publish_collective`: every rank wrote
 its part of `<dir>` — `hf` for the final export, `actor`/`critic` for engine checkpoints — and the
 directory is not published yet), `step.actor_update` (a step's samples generated and scored, its old
 log-probs computed, the actor not yet updated) and `weights.broadcast` (rank 0 of the actor has broadcast
@@ -25,6 +26,7 @@ from collections import Counter
 
 POINTS = (
     "checkpoint.driver_state",
+    "checkpoint.write",
     "prune",
     "metrics.rewrite",
     "publish.hf",

@@ -409,21 +409,36 @@ def async_checkpoint_rank(hf, root):
 
 
 def dp_sharded_checkpoint_rank(hf, root):
-    """`reshardable=False` (the optimizer state as each rank holds it, saved asynchronously here): a resume at
-    the same layout continues bit for bit; another TP/PP is refused before anything is loaded."""
+    """`reshardable=False` (each rank's optimizer shard as it holds it: live tensors, so the asynchronous
+    save must copy them), DP2, its files held back while training takes two more steps: a resume at DP2
+    continues bit for bit; TP2 is refused before anything is loaded."""
+    import threading
+
+    from megarl.models import dcp_save
     from megarl.models.layout import ParallelLayout
     from megarl.workers import Actor
 
     batch, ckpt = padded_batch(), f"{root}/dp_sharded"
-    actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
+    actor = Actor(build(hf, ParallelLayout(), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
     _steps(actor, batch, 2)
-    meta = actor.engine.save_checkpoint(ckpt, wait=False, reshardable=False)
-    rest = _steps(actor, batch, 2)
+    release, write = threading.Event(), dcp_save._write_file
+
+    def held_write(*args):
+        release.wait(120)
+        return write(*args)
+
+    dcp_save._write_file = held_write
+    try:
+        meta = actor.engine.save_checkpoint(ckpt, wait=False, reshardable=False)
+        rest = _steps(actor, batch, 2)  # every Adam moment and main parameter changes in place meanwhile
+    finally:
+        release.set()
+        dcp_save._write_file = write
     actor.engine.finish_checkpoint()
-    resumed = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    resumed = Actor(build(hf, ParallelLayout(), optim=scheduled_adam(), micro_batch_tokens=30))
     resumed.engine.load_checkpoint(ckpt)
     again = _steps(resumed, batch, 2)
-    other = Actor(build(hf, ParallelLayout(pp=2), optim=scheduled_adam(), micro_batch_tokens=30))
+    other = Actor(build(hf, ParallelLayout(tp=2), optim=scheduled_adam(), micro_batch_tokens=30))
     before = _weights(other.engine)
     try:
         other.engine.load_checkpoint(ckpt)
@@ -438,3 +453,13 @@ def dp_sharded_checkpoint_rank(hf, root):
         "refused": refused,
         "untouched": untouched,
     }
+
+
+def dp_sharded_resume_rank(hf, root):
+    """The DP2 checkpoint of `dp_sharded_checkpoint_rank` resumed on one rank (DP1): two steps."""
+    from megarl.models.layout import ParallelLayout
+    from megarl.workers import Actor
+
+    actor = Actor(build(hf, ParallelLayout(), optim=scheduled_adam(), micro_batch_tokens=30))
+    actor.engine.load_checkpoint(f"{root}/dp_sharded")
+    return _steps(actor, padded_batch(), 2)

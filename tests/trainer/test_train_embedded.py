@@ -2,15 +2,22 @@
 
 ReMax: the advantage estimator declares it needs the greedy baseline, so the loop generates each
 prompt's greedy response and scores it; every sample's advantage is its score minus that baseline.
-Asynchronous checkpoints: complete once written, and a resume from one equals the uninterrupted run.
+Asynchronous checkpoints: complete once written, a resume from one equals the uninterrupted run, and a run
+killed while one is written resumes from the one before.
 """
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
-from train_helpers import HERE, overrides, run_train
+from train_helpers import HERE, REPO, overrides, run_train, train_command
 
+from megarl.testing.processes import TAG_VAR, kill_tagged, wait_until_gone
+from megarl.trainer import state
 from megarl.trainer.metrics import read_metrics
 
 
@@ -110,7 +117,6 @@ def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equal
     """trainer.checkpoint_async=true (with the DP-sharded optimizer format): every step's checkpoint is complete (driver state and manifest) once the
     run ends, older ones pruned as usual; a run stopped after 2 steps and continued to 3 from its last
     asynchronous checkpoint gives step 3 the metrics of a run that went straight to 3."""
-    from megarl.trainer import state
 
     def run(name: str, steps: int):
         args = overrides(
@@ -145,3 +151,48 @@ def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equal
     assert [r["step"] for r in resumed] == [1, 2, 3]
     compared = {k: v for k, v in straight[2].items() if not k.startswith(("time/", "perf/"))}
     assert {k: resumed[2][k] for k in compared} == pytest.approx(compared, rel=1e-5, abs=1e-6)
+
+
+def test_a_run_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_the_one_before(tiny_task, tmp_path):
+    """SIGKILL while step 2's asynchronous checkpoint is being written (its writing threads held, training going
+    on): nothing of step 2 looks complete (no driver state, its engine part unpublished), and the same command
+    resumes from step 1 and completes its steps with complete checkpoints."""
+    run, held, tag = tmp_path / "run", tmp_path / "held", f"async-ckpt-{os.getpid()}"
+    args = overrides(
+        tiny_task,
+        run,
+        "rollout.engine=embedded",
+        "trainer.checkpoint_async=true",
+        "trainer.total_steps=3",
+        "trainer.checkpoint_every_steps=1",
+        "trainer.export_hf_at_end=false",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+    )
+    hold = {"MEGARL_FAULT_HOLD": "checkpoint.write@2", "MEGARL_FAULT_HOLD_FILE": str(held), TAG_VAR: tag}
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(
+            train_command("grpo_quickstart.yaml", args),
+            cwd=REPO,
+            env={**os.environ, **hold},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.time() + 300
+        while not held.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kill_tagged(tag)
+    wait_until_gone(tag, timeout_s=30)
+    step2 = state.step_dir(run, 2)
+    assert [step for step, _ in state.complete_checkpoints(run)] == [1]
+    assert not (step2 / state.DRIVER_STATE).exists() and not (step2 / "actor").exists()
+    code, out, _ = run_train("grpo_quickstart.yaml", args)
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out and "(step 1)" in out
+    kept = state.complete_checkpoints(run)
+    assert [step for step, _ in kept] == [2, 3] and all(state.checkpoint_problem(p) is None for _, p in kept)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "reward/score/mean" in r] == [1, 2, 3]
