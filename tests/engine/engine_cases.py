@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from megarl.data.batch import Batch
@@ -341,11 +344,29 @@ def on_policy_rank(hf):
     return results
 
 
+@contextlib.contextmanager
+def held_checkpoint_writes():
+    """Within the block every torch_dist file megarl writes waits (on its writing thread) until the block ends."""
+    from megarl.models import dcp_save
+
+    release, write = threading.Event(), dcp_save._write_file
+
+    def held_write(*args):
+        release.wait(120)
+        return write(*args)
+
+    dcp_save._write_file = held_write
+    try:
+        yield
+    finally:
+        release.set()
+        dcp_save._write_file = write
+
+
 def async_checkpoint_rank(hf, root):
     """An asynchronous save while training goes on: nothing is published before `finish_checkpoint`, and the
     checkpoint holds the state at the save (resumed, it trains as a synchronous save of that moment does);
     a write that fails on one rank fails the finish on every rank and leaves nothing behind."""
-    import threading
     from pathlib import Path
 
     from megarl.models import dcp_save
@@ -356,21 +377,11 @@ def async_checkpoint_rank(hf, root):
     actor = Actor(build(hf, ParallelLayout(tp=2), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
     _steps(actor, batch, 2)
     actor.engine.save_checkpoint(f"{root}/sync")  # the same moment, saved synchronously
-    release, write = threading.Event(), dcp_save._write_file
-
-    def held_write(*args):  # the files wait until the test releases them
-        release.wait(120)
-        return write(*args)
-
-    dcp_save._write_file = held_write
-    try:
+    with held_checkpoint_writes():
         actor.engine.save_checkpoint(f"{root}/async", wait=False)
         rest = _steps(actor, batch, 2)  # every weight and Adam moment changes while the save is pending
         published_early = Path(f"{root}/async").exists()
         finished_while_held = actor.engine.finish_checkpoint(wait=False)
-    finally:
-        release.set()
-        dcp_save._write_file = write
     finished = actor.engine.finish_checkpoint(wait=True)
     resumed = {}
     for name in ("sync", "async"):
@@ -383,6 +394,7 @@ def async_checkpoint_rank(hf, root):
             raise OSError("simulated disk error")
         return write(transform_list, index, bucket)
 
+    write = dcp_save._write_file
     dcp_save._write_file = failing_write
     try:
         actor.engine.save_checkpoint(f"{root}/failed", wait=False)
@@ -412,28 +424,15 @@ def dp_sharded_checkpoint_rank(hf, root):
     """`reshardable=False` (each rank's optimizer shard as it holds it: live tensors, so the asynchronous
     save must copy them), DP2, its files held back while training takes two more steps: a resume at DP2
     continues bit for bit; TP2 is refused before anything is loaded."""
-    import threading
-
-    from megarl.models import dcp_save
     from megarl.models.layout import ParallelLayout
     from megarl.workers import Actor
 
     batch, ckpt = padded_batch(), f"{root}/dp_sharded"
     actor = Actor(build(hf, ParallelLayout(), first=True, optim=scheduled_adam(), micro_batch_tokens=30))
     _steps(actor, batch, 2)
-    release, write = threading.Event(), dcp_save._write_file
-
-    def held_write(*args):
-        release.wait(120)
-        return write(*args)
-
-    dcp_save._write_file = held_write
-    try:
+    with held_checkpoint_writes():
         meta = actor.engine.save_checkpoint(ckpt, wait=False, reshardable=False)
         rest = _steps(actor, batch, 2)  # every Adam moment and main parameter changes in place meanwhile
-    finally:
-        release.set()
-        dcp_save._write_file = write
     actor.engine.finish_checkpoint()
     resumed = Actor(build(hf, ParallelLayout(), optim=scheduled_adam(), micro_batch_tokens=30))
     resumed.engine.load_checkpoint(ckpt)
