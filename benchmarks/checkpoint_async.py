@@ -127,10 +127,11 @@ def report(result: dict) -> dict:
         held[mode] = median(r["held"] + r["finish_wait"] for r in rows)
         total[mode] = median(r["total"] for r in rows)
         during = median(u for r in rows for u in r["updates"])
+        each = ", ".join(f"{r['held']:.2f}" for r in rows)
         print(
             f"{mode:25s} held training up {held[mode]:6.2f} s (the save {median(r['held'] for r in rows):.2f},"
             f" waiting at finish {median(r['finish_wait'] for r in rows):.2f}), an update {during:.2f} s,"
-            f" save + updates + finish {total[mode]:6.2f} s"
+            f" save + updates + finish {total[mode]:6.2f} s   [{each}]"
         )
     base = "synchronous"
     ratios = {mode: held[mode] / held[base] for mode in MODES if mode != base}
