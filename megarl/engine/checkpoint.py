@@ -291,7 +291,10 @@ def save_checkpoint(engine, path, *, overwrite: bool = True, wait: bool = True, 
 def _live_tensors(engine) -> list:
     """What training changes in place: parameters, gradients, DDP's flat buffers, the optimizer's state, and
     the models' own buffers (`torch.nn.Module.buffers`: DDP's `buffers` attribute shadows the method)."""
-    return [*engine._state_tensors(), *(b for chunk in engine.chunks for b in torch.nn.Module.buffers(chunk))]
+    from megarl.engine.offload import model_and_optimizer_tensors
+
+    buffers = [b for chunk in engine.chunks for b in torch.nn.Module.buffers(chunk)]
+    return [*model_and_optimizer_tensors(engine.model, engine.optimizer), *buffers]
 
 
 @dataclasses.dataclass
@@ -354,12 +357,10 @@ def load_checkpoint(engine, path) -> dict:
     from megarl.models.convert import load_model_state
 
     finish_checkpoint(engine, wait=True)
-    meta = read_metadata(path)
+    meta, layout = read_metadata(path), dataclasses.asdict(engine.config.layout)
     if engine.optimizer is not None:
-        check_optimizer_layout(meta, dataclasses.asdict(engine.config.layout), str(path))
-    same_layout = (
-        meta["layout"] == dataclasses.asdict(engine.config.layout) and meta["world_size"] == dist.get_world_size()
-    )
+        check_optimizer_layout(meta, layout, str(path))
+    same_layout = meta["layout"] == layout and meta["world_size"] == dist.get_world_size()
     if engine.optimizer is not None and not meta.get("has_optimizer", True):
         raise ValueError(f"{path} holds no optimizer state; it cannot resume training")
     try:

@@ -2,8 +2,8 @@
 
 Owns: `engine_start(visible_devices, tensor_parallel_size, on_gpu)`, the context `VLLMEngine` starts
 its engine in, made of `child_visible_devices`, `cpu_thread_binding`, `model_in_core_on_cpu`, `fork_engine_core`,
-`eager_on_cpu`, `model_info_in_process` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a forked CPU engine
-core needs (its GC objects frozen, the parent's process groups set aside, dynamo off). Each CPU-only
+`eager_on_cpu`, `model_info_in_process` and `vllm_patches.plain_cpu_linear_weights`, and the at-fork hooks a
+forked CPU engine core needs (its GC objects frozen, the parent's process groups set aside, dynamo off). Each CPU-only
 change is documented like a patch (what, why, why it is safe, verified versions, opt-out).
 Imports torch and vLLM only inside the functions that need them.
 """
@@ -181,7 +181,8 @@ def model_info_in_process(on_gpu: bool):
     Why: on that miss vLLM starts `python -m vllm.model_executor.models.registry`, a new interpreter that
       imports torch and vLLM again to import one model class: 9.9 s of CPU in the child against 2.2 s
       in-process (Qwen2, this 2-core VM). The quickstart's two engines each paid it on a new machine's
-      first run: workers ready in 19.0 s against 8.2 s for a later run, 8.3 s with this (`benchmarks/first_start.py`).
+      first run: workers ready in 19.0 s against 8.2 s for a later run, 8.3 s with this
+      (`benchmarks/first_start.py`).
     Why it is safe: vLLM uses a subprocess only to keep CUDA uninitialised in its own process (its
       comment at the call); on CPU there is none. The function is vLLM's own (`_ModelInfo.from_model_cls`
       of the class), vLLM writes the same cache entry from its result, and the model module imported

@@ -111,26 +111,37 @@ def test_batch_reward_overlaps_log_probs_logs_its_keys_and_val_only_evaluates_th
     assert "resumed from" in out
 
 
+def async_checkpoint_args(task, run_dir, steps: int, *extra: str) -> list[str]:
+    """A `steps`-step run on the embedded engine with an asynchronous checkpoint after every step."""
+    return overrides(
+        task,
+        run_dir,
+        "rollout.engine=embedded",
+        "trainer.checkpoint_async=true",
+        f"trainer.total_steps={steps}",
+        "trainer.checkpoint_every_steps=1",
+        "trainer.export_hf_at_end=false",
+        "validation.before_train=false",
+        "validation.every_steps=0",
+        *extra,
+    )
+
+
 def test_asynchronous_checkpoints_count_once_written_and_a_resume_from_one_equals_the_uninterrupted_run(
     tiny_task, tmp_path
 ):
-    """trainer.checkpoint_async=true (with the DP-sharded optimizer format): every step's checkpoint is complete (driver state and manifest) once the
-    run ends, older ones pruned as usual; a run stopped after 2 steps and continued to 3 from its last
-    asynchronous checkpoint gives step 3 the metrics of a run that went straight to 3."""
+    """trainer.checkpoint_async=true (with the DP-sharded optimizer format): every step's checkpoint is
+    complete (driver state and manifest) once the run ends, older ones pruned as usual; a run stopped after 2
+    steps and continued to 3 from its last asynchronous checkpoint gives step 3 the metrics of a run that went
+    straight to 3."""
 
     def run(name: str, steps: int):
-        args = overrides(
+        args = async_checkpoint_args(
             tiny_task,
             tmp_path / name,
-            "rollout.engine=embedded",
-            "trainer.checkpoint_async=true",
+            steps,
             "trainer.checkpoint_reshardable=false",  # the optimizer state DP-sharded: the fast format
-            f"trainer.total_steps={steps}",
-            "trainer.checkpoint_every_steps=1",
             "trainer.keep_checkpoints=2",
-            "trainer.export_hf_at_end=false",
-            "validation.before_train=false",
-            "validation.every_steps=0",
         )
         code, out, _ = run_train("grpo_quickstart.yaml", args)
         assert code == 0, out[-4000:]
@@ -158,17 +169,7 @@ def test_a_run_killed_while_an_asynchronous_checkpoint_is_written_resumes_from_t
     on): nothing of step 2 looks complete (no driver state, its engine part unpublished), and the same command
     resumes from step 1 and completes its steps with complete checkpoints."""
     run, held, tag = tmp_path / "run", tmp_path / "held", f"async-ckpt-{os.getpid()}"
-    args = overrides(
-        tiny_task,
-        run,
-        "rollout.engine=embedded",
-        "trainer.checkpoint_async=true",
-        "trainer.total_steps=3",
-        "trainer.checkpoint_every_steps=1",
-        "trainer.export_hf_at_end=false",
-        "validation.before_train=false",
-        "validation.every_steps=0",
-    )
+    args = async_checkpoint_args(tiny_task, run, 3)
     hold = {"MEGARL_FAULT_HOLD": "checkpoint.write@2", "MEGARL_FAULT_HOLD_FILE": str(held), TAG_VAR: tag}
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(
